@@ -1,0 +1,1 @@
+"""shardlib: sharding written as types, collectives written as spec strings."""

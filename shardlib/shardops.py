@@ -1,0 +1,167 @@
+"""Collectives and einsums driven by spec strings that show the layout before and after.
+
+Every op parses its spec before touching data and raises `SpecError` with the spec and the
+reason when the spec is not a legal gather, scatter, einsum or lookup. All ops run inside
+`shard_map`; array shapes are per device.
+
+    all_gather('M/d F/t -> M F/t', w)            gather w over d along M
+    psum_scatter('B/d L M -> B/d L M/t', x)       sum partials over t, keep a 1/t slice of M
+    psum('B/d L M', x, 't')                       sum partials over t, keep all of M
+    einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)
+    index_unreduced('V/t M, B/d L -> B/d L M', table, ids)
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+from shardlib.shardtypes import Dim, ShapeError, dims_str, parse_dims
+
+
+class SpecError(ValueError):
+    """A spec string is not a legal instance of the op it was given to."""
+
+
+def _parse(spec: str, op: str) -> tuple[list[tuple[Dim, ...]], tuple[Dim, ...]]:
+    if spec.count("->") != 1:
+        raise SpecError(f"{op}: spec {spec!r} needs exactly one '->'")
+    lhs, rhs = spec.split("->")
+    try:
+        inputs = [parse_dims(part) for part in lhs.split(",")]
+        output = parse_dims(rhs)
+    except ShapeError as e:
+        raise SpecError(f"{op}: {e}") from None
+    return inputs, output
+
+
+def _check_ndim(op: str, spec: str, dims: tuple[Dim, ...], x, which: str = "operand"):
+    if x.ndim != len(dims):
+        raise SpecError(f"{op}: spec {spec!r} gives the {which} {len(dims)} dims ({dims_str(dims)}), but its shape is {x.shape}")
+
+
+def _parse_unary(spec: str, op: str) -> tuple[tuple[Dim, ...], tuple[Dim, ...]]:
+    """A one-operand spec whose two sides name the same dimensions in the same order."""
+    inputs, output = _parse(spec, op)
+    if len(inputs) != 1:
+        raise SpecError(f"{op}: spec {spec!r} takes exactly one operand")
+    if [d.name for d in inputs[0]] != [d.name for d in output]:
+        raise SpecError(f"{op}: spec {spec!r} must keep the same dimensions in the same order on both sides")
+    return inputs[0], output
+
+
+def _require_f32(op: str, x):
+    # Sums that cross devices are done in float32 so that results depend on the mesh only
+    # as much as float32 rounding does (summing bf16 partials costs ~1e-3 relative).
+    if x.dtype != jnp.float32:
+        raise SpecError(f"{op}: partial sums must be float32 to reduce across devices, got {x.dtype}; cast first")
+
+
+def all_gather(spec: str, x):
+    """Gathers the innermost mesh axes that the output drops from each dimension."""
+    op = "all_gather"
+    src, dst = _parse_unary(spec, op)
+    gathers = []
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if a.axes[: len(b.axes)] != b.axes:
+            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a gather: the output may only drop innermost axes")
+        if len(a.axes) > len(b.axes):
+            gathers.append((i, a.axes[len(b.axes) :]))
+    if not gathers:
+        raise SpecError(f"{op}: spec {spec!r} gathers nothing")
+    _check_ndim(op, spec, src, x)
+    for dim, axes in gathers:
+        x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    return x
+
+
+def psum_scatter(spec: str, x):
+    """Sums float32 partials over the axes the output adds, leaving each device its slice."""
+    op = "psum_scatter"
+    src, dst = _parse_unary(spec, op)
+    scatters = []
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if b.axes[: len(a.axes)] != a.axes:
+            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a scatter: the output may only add innermost axes")
+        if len(b.axes) > len(a.axes):
+            scatters.append((i, b.axes[len(a.axes) :]))
+    if not scatters:
+        raise SpecError(f"{op}: spec {spec!r} scatters nothing")
+    _check_ndim(op, spec, src, x)
+    _require_f32(op, x)
+    for dim, axes in scatters:
+        x = lax.psum_scatter(x, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+    return x
+
+
+def psum(spec: str, x, axes: str | tuple[str, ...]):
+    """Sums float32 partials over `axes` (an all-reduce); `spec` is the layout, unchanged."""
+    op = "psum"
+    dims = parse_dims(spec)
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    used = {a for d in dims for a in d.axes}
+    if not axes or used & set(axes):
+        raise SpecError(f"{op}: cannot sum over {axes} a value laid out as {spec!r}: an axis that shards it holds different parts, not partials")
+    _check_ndim(op, spec, dims, x)
+    _require_f32(op, x)
+    return lax.psum(x, axes)
+
+
+def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
+    """einsum on per-device blocks. A contracted dimension that is sharded leaves a partial sum
+    (unreduced) that the caller reduces with psum or psum_scatter. Accumulates in float32 by
+    default: bf16 operands with f32 results are the fast and accurate path."""
+    op = "einsum_unreduced"
+    inputs, output = _parse(spec, op)
+    if len(inputs) != len(operands):
+        raise SpecError(f"{op}: spec {spec!r} names {len(inputs)} operands, got {len(operands)}")
+    axes_of: dict[str, tuple[str, ...]] = {}
+    for dims in inputs:
+        for d in dims:
+            if d.name.isdecimal():
+                raise SpecError(f"{op}: spec {spec!r} uses a number {d.name!r} as a dimension name")
+            if axes_of.setdefault(d.name, d.axes) != d.axes:
+                raise SpecError(f"{op}: in spec {spec!r}, dimension {d.name} is sharded two ways ({'/'.join(axes_of[d.name]) or 'unsharded'} and {'/'.join(d.axes) or 'unsharded'})")
+    for d in output:
+        if d.name not in axes_of:
+            raise SpecError(f"{op}: in spec {spec!r}, output dimension {d.name} is not in any operand")
+        if axes_of[d.name] != d.axes:
+            raise SpecError(f"{op}: in spec {spec!r}, output dimension {d} must keep its input sharding {'/'.join((d.name,) + axes_of[d.name])}")
+    letters = {name: chr(ord("a") + i) for i, name in enumerate(axes_of)}
+    if len(letters) > 26:
+        raise SpecError(f"{op}: spec {spec!r} has more than 26 dimensions")
+    for dims, x in zip(inputs, operands):
+        _check_ndim(op, spec, dims, x)
+    plain = ",".join("".join(letters[d.name] for d in dims) for dims in inputs)
+    plain += "->" + "".join(letters[d.name] for d in output)
+    return jnp.einsum(plain, *operands, preferred_element_type=preferred_element_type)
+
+
+def index_unreduced(spec: str, table, indices):
+    """Looks `indices` up in the first dimension of `table`. When that dimension is sharded,
+    each device answers only for its own rows and gives zeros elsewhere: the sum over the
+    sharding axes (the caller's psum) is the full lookup."""
+    op = "index_unreduced"
+    inputs, output = _parse(spec, op)
+    if len(inputs) != 2:
+        raise SpecError(f"{op}: spec {spec!r} needs two operands: table, indices")
+    table_dims, index_dims = inputs
+    if not table_dims:
+        raise SpecError(f"{op}: spec {spec!r} has a table with no dimension to index")
+    expected = index_dims + table_dims[1:]
+    if [str(d) for d in output] != [str(d) for d in expected]:
+        raise SpecError(f"{op}: spec {spec!r} must produce the index dims then the table's other dims: {dims_str(expected)}")
+    _check_ndim(op, spec, table_dims, table, "table")
+    _check_ndim(op, spec, index_dims, indices, "indices")
+    axes = table_dims[0].axes
+    rows = table.shape[0]
+    if not axes:
+        return table[indices]
+    offset = lax.axis_index(axes if len(axes) > 1 else axes[0]) * rows
+    local = indices.astype(jnp.int32) - offset.astype(jnp.int32)
+    inside = (local >= 0) & (local < rows)
+    found = table[jnp.clip(local, 0, rows - 1)]
+    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), found, jnp.zeros((), table.dtype))
+
+
+def axis_size(axes: str | tuple[str, ...]) -> int:
+    """Number of devices along mesh axes (a Python int at trace time, inside shard_map)."""
+    return lax.axis_size(axes)

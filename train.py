@@ -1,0 +1,410 @@
+"""seqax: the model, the loss, the optimizer and the training loop, in one file.
+
+    python -m train --config-name=local_test_synthetic +paths.model_name=RUN [key=value ...]
+
+Dimension names, used the same way in every annotation and spec string:
+    B  batch (sequences)             L  positions of queries       S  positions of keys (= L)
+    M  d_model                       F  d_ff                       V  vocabulary
+    Q  query heads per kv head       K  kv heads                   D  head dimension
+    layers  transformer blocks (weights stacked, run with lax.scan)
+Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time);
+`t` splits heads, d_ff and vocabulary (tensor parallelism, Megatron-style: the residual stream
+is whole on every `t` device and the partial sums of a block are all-reduced over `t`).
+
+Precision: weights, Adam moments, the residual stream and norms in float32; matmul operands in
+bfloat16 with float32 accumulation; every sum across devices in float32.
+"""
+
+import dataclasses
+import math
+import os
+import sys
+from functools import partial
+
+import hydra
+import jax
+import jax.numpy as jnp
+from jax import lax
+from omegaconf import DictConfig, OmegaConf
+
+import training_io
+from data_loader import PackedLoader
+from flat_tokens import DatasetError, open_flat_tokens
+from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
+from shardlib.shardops import all_gather, einsum_unreduced, index_unreduced, psum
+from shardlib.shardtypes import Array, bf16, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
+
+# ---------------------------------------------------------------------------------------------
+# Configuration: numbers and paths only. Every key is required (configs/*.yaml).
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    d_model: int  # M
+    n_q_per_kv: int  # Q
+    n_kv: int  # K
+    d_head: int  # D
+    d_ff: int  # F
+    layers: int
+    vocab: int  # V
+    rope_base: float  # RoPE's longest wavelength / 2pi (RoFormer, Su et al. 2021, eq. 15)
+    norm_eps: float
+
+
+@dataclasses.dataclass(frozen=True)
+class TokensConfig:
+    batch: int  # B, sequences per step (global)
+    len: int  # L
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    steps: int
+    tokens: TokensConfig
+    learning_rate: float  # peak, reached at the end of warmup
+    warmup_steps: int
+    final_learning_rate_fraction: float  # cosine decays to this fraction of the peak
+    seed: int
+    adam_b1: float
+    adam_b2: float
+    adam_eps: float
+    weight_decay: float  # decoupled (AdamW, Loshchilov & Hutter 2019), on every weight
+    grad_clip: float  # global L2 norm
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    d: int
+    t: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsConfig:
+    root_working_dir: str
+    model_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+    path: str  # a flat-tokens zarr (docs/flat-tokens.md)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    training: TrainingConfig
+    mesh: MeshConfig
+    paths: PathsConfig
+    dataset: DatasetConfig
+    checkpoint_interval: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights. Every field says its shape and sharding; the Adam moments have the same types.
+
+
+@pytree_dataclass
+class Layer:
+    attn_norm: f32[b"M"]
+    w_q: f32[b"M/d Q K/t D"]
+    w_k: f32[b"M/d K/t D"]
+    w_v: f32[b"M/d K/t D"]
+    w_o: f32[b"Q K/t D M/d"]
+    ffn_norm: f32[b"M"]
+    w_gate: f32[b"M/d F/t"]
+    w_up: f32[b"M/d F/t"]
+    w_down: f32[b"F/t M/d"]
+
+
+@pytree_dataclass
+class Model:
+    embed: f32[b"V/t M/d"]
+    layers: Array["layers", Layer]
+    final_norm: f32[b"M"]
+    unembed: f32[b"M/d V/t"]
+
+
+@pytree_dataclass
+class State:
+    weights: Model
+    adam_mu: Model
+    adam_nu: Model
+
+
+@pytree_dataclass
+class Metrics:
+    loss: f32[b""]
+    learning_rate: f32[b""]
+    grad_norm: f32[b""]
+
+
+def init_weights(h: ModelConfig, key: jax.Array) -> Model:
+    """Normal weights with std 1/sqrt(fan_in) (embeddings: std 1), norms at 1. Run under jit
+    with sharded outputs: each device draws only its shard, and the values do not depend on
+    the mesh (threefry is partitionable)."""
+    M, Q, K, D, F, V, n = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab, h.layers
+
+    def normal(name, shape, fan_in):
+        return jax.random.normal(fold_in_str(key, name), shape, jnp.float32) / math.sqrt(fan_in)
+
+    layers = Layer(
+        attn_norm=jnp.ones((n, M)),
+        w_q=normal("w_q", (n, M, Q, K, D), M),
+        w_k=normal("w_k", (n, M, K, D), M),
+        w_v=normal("w_v", (n, M, K, D), M),
+        w_o=normal("w_o", (n, Q, K, D, M), Q * K * D),
+        ffn_norm=jnp.ones((n, M)),
+        w_gate=normal("w_gate", (n, M, F), M),
+        w_up=normal("w_up", (n, M, F), M),
+        w_down=normal("w_down", (n, F, M), F),
+    )
+    return Model(embed=normal("embed", (V, M), 1), layers=layers, final_norm=jnp.ones((M,)), unembed=normal("unembed", (M, V), M))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model. Everything below runs inside shard_map: shapes are per device.
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in float32."""
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+@typechecked
+def document_positions(is_seq_start: bool_[b"B/d L"]) -> tuple[u32[b"B/d L"], u32[b"B/d L"]]:
+    """(document id, position within the document) of every token. Positions restart at each
+    document so that a packed document sees the same RoPE phases as one generated alone."""
+    L = is_seq_start.shape[1]
+    index = jnp.arange(L, dtype=jnp.uint32)
+    doc_id = jnp.cumsum(is_seq_start, axis=1, dtype=jnp.uint32)
+    doc_start = lax.cummax(jnp.where(is_seq_start, index, 0), axis=1)
+    return doc_id, index - doc_start
+
+
+def rope(x, position, base: float):
+    """Rotary embedding (RoFormer, Su et al. 2021) on the last dim, rotate-half layout.
+    x: [B, L, ..., D] float32, position: [B, L]."""
+    D = x.shape[-1]
+    inverse_timescale = base ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)  # [D/2]
+    angle = position.astype(jnp.float32)[..., None] * inverse_timescale  # [B, L, D/2]
+    angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:])
+    sin, cos = jnp.sin(angle), jnp.cos(angle)
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention(h: ModelConfig, x, w: Layer, mask, position):
+    """Grouped-query attention: Q query heads share each of the K kv heads (Ainslie et al. 2023)."""
+    nx = save_for_backward(rms_norm(x, w.attn_norm, h.norm_eps).astype(jnp.bfloat16))
+    # FSDP: gather this layer's weights over d in float32 (so that their gradients, the
+    # transpose, are reduce-scattered in float32), then cast for the matmul.
+    w_q = all_gather("M/d Q K/t D -> M Q K/t D", w.w_q).astype(jnp.bfloat16)
+    w_k = all_gather("M/d K/t D -> M K/t D", w.w_k).astype(jnp.bfloat16)
+    w_v = all_gather("M/d K/t D -> M K/t D", w.w_v).astype(jnp.bfloat16)
+    q = einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
+    k = einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_k)
+    v = save_for_backward(einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_v).astype(jnp.bfloat16))
+    q = save_for_backward(rope(q, position, h.rope_base).astype(jnp.bfloat16))
+    k = save_for_backward(rope(k, position, h.rope_base).astype(jnp.bfloat16))
+
+    logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (h.d_head**-0.5)
+    logits = jnp.where(mask[:, None, None, :, :], logits, -1e30)  # every row keeps its diagonal
+    logits = logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    probs = jnp.exp(logits)
+    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(jnp.bfloat16)
+    o = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v)
+    o = save_for_backward(o.astype(jnp.bfloat16))
+
+    w_o = all_gather("Q K/t D M/d -> Q K/t D M", w.w_o).astype(jnp.bfloat16)
+    out = einsum_unreduced("B/d L Q K/t D, Q K/t D M -> B/d L M", o, w_o)  # partial over t
+    return psum("B/d L M", out, "t")
+
+
+def feed_forward(h: ModelConfig, x, w: Layer):
+    """SwiGLU (Shazeer 2020): (silu(x W_gate) * x W_up) W_down."""
+    nx = save_for_backward(rms_norm(x, w.ffn_norm, h.norm_eps).astype(jnp.bfloat16))
+    w_gate = all_gather("M/d F/t -> M F/t", w.w_gate).astype(jnp.bfloat16)
+    w_up = all_gather("M/d F/t -> M F/t", w.w_up).astype(jnp.bfloat16)
+    gate = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_gate).astype(jnp.bfloat16))
+    up = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_up).astype(jnp.bfloat16))
+    hidden = (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
+    w_down = all_gather("F/t M/d -> F/t M", w.w_down).astype(jnp.bfloat16)
+    out = einsum_unreduced("B/d L F/t, F/t M -> B/d L M", hidden, w_down)  # partial over t
+    return psum("B/d L M", out, "t")
+
+
+@typechecked
+def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, mask: bool_[b"B/d L S"], position: u32[b"B/d L"]) -> f32[b"B/d L M"]:
+    x = save_for_backward(x + attention(h, x, w, mask, position))
+    return x + feed_forward(h, x, w)
+
+
+@typechecked
+def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b""]:
+    """This device's share of the mean next-token cross-entropy over the global batch. Each
+    document's first token is predicted from input token 0, so every token is a target."""
+    inputs = jnp.where(is_seq_start, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
+    doc_id, position = document_positions(is_seq_start)
+    # Causal and within one document (no attention across packed documents).
+    mask = (doc_id[:, :, None] == doc_id[:, None, :]) & jnp.tril(jnp.ones((doc_id.shape[1],) * 2, dtype=bool))
+
+    embed = all_gather("V/t M/d -> V/t M", w.embed)
+    x = psum("B/d L M", index_unreduced("V/t M, B/d L -> B/d L M", embed, inputs), "t")
+
+    @explicit_activation_checkpointing
+    def body(x, layer_weights):
+        return transformer_layer(h, x, layer_weights, mask, position), None
+
+    x, _ = lax.scan(body, x, w.layers)
+
+    nx = rms_norm(x, w.final_norm, h.norm_eps).astype(jnp.bfloat16)
+    unembed = all_gather("M/d V/t -> M V/t", w.unembed).astype(jnp.bfloat16)
+    logits = einsum_unreduced("B/d L M, M V/t -> B/d L V/t", nx, unembed)  # float32
+    # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
+    # need one sum over t.
+    max_logit = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
+    sum_exp = psum("B/d L", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
+    V_local = logits.shape[-1]
+    local_target = targets.astype(jnp.int32) - lax.axis_index("t") * V_local
+    here = (local_target >= 0) & (local_target < V_local)
+    target_logit = jnp.take_along_axis(logits, jnp.clip(local_target, 0, V_local - 1)[..., None], axis=-1)[..., 0]
+    target_logit = psum("B/d L", jnp.where(here, target_logit, 0.0), "t")
+    token_losses = max_logit + jnp.log(sum_exp) - target_logit
+    global_tokens = targets.size * lax.axis_size("d")
+    return jnp.sum(token_losses) / global_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer: AdamW with bias correction (Kingma & Ba 2015, Alg. 1; Loshchilov & Hutter 2019),
+# global-norm clipping, linear warmup then cosine decay.
+
+
+def learning_rate(h: TrainingConfig, step):
+    """Rate used by step `step` (0-based): linear warmup over warmup_steps to the peak, then
+    cosine decay to final_learning_rate_fraction of the peak at the last step."""
+    step = step.astype(jnp.float32)
+    warmup = (step + 1) / max(h.warmup_steps, 1)
+    progress = jnp.clip((step - h.warmup_steps) / max(h.steps - 1 - h.warmup_steps, 1), 0.0, 1.0)
+    cosine = h.final_learning_rate_fraction + (1 - h.final_learning_rate_fraction) * 0.5 * (1 + jnp.cos(jnp.pi * progress))
+    return h.learning_rate * jnp.where(step < h.warmup_steps, warmup, cosine)
+
+
+def adamw_update(h: TrainingConfig, step, lr, clip_scale, w, g, mu, nu):
+    """One AdamW step of one weight array; `clip_scale` scales the gradient first."""
+    g = g * clip_scale
+    mu = h.adam_b1 * mu + (1 - h.adam_b1) * g
+    nu = h.adam_b2 * nu + (1 - h.adam_b2) * g * g
+    t = step.astype(jnp.float32) + 1
+    mu_hat = mu / (1 - h.adam_b1**t)
+    nu_hat = nu / (1 - h.adam_b2**t)
+    w = w - lr * (mu_hat / (jnp.sqrt(nu_hat) + h.adam_eps) + h.weight_decay * w)
+    return w, mu, nu
+
+
+def clip_scale(h: TrainingConfig, grad_norm):
+    return jnp.minimum(1.0, h.grad_clip / jnp.maximum(grad_norm, 1e-30))
+
+
+def optimizer_step(h: TrainingConfig, step, weights, grads, adam_mu, adam_nu, grad_norm):
+    """AdamW on every leaf. `grad_norm` is the global norm; no other cross-device work."""
+    lr = learning_rate(h, step)
+    scale = clip_scale(h, grad_norm)
+    updated = jax.tree.map(partial(adamw_update, h, step, lr, scale), weights, grads, adam_mu, adam_nu)
+    is_triple = lambda x: isinstance(x, tuple)  # noqa: E731
+    pick = lambda i: jax.tree.map(lambda u: u[i], updated, is_leaf=is_triple)  # noqa: E731
+    return pick(0), pick(1), pick(2), lr
+
+
+# ---------------------------------------------------------------------------------------------
+# The training step: one jitted function, state donated.
+
+
+@partial(jax.jit, static_argnames=("h",), donate_argnames=("state",))
+def training_step(state: State, step, targets, is_seq_start, h: Config) -> tuple[State, Metrics]:
+    weight_specs = make_partition_specs(Model)
+
+    @typed_shard_map
+    def step_on_device(state: State, step: u32[b""], targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> tuple[State, Metrics]:
+        loss, grads = jax.value_and_grad(partial(model_loss, h.model))(state.weights, targets, is_seq_start)
+        loss = lax.psum(loss, "d")  # outside autodiff: the gradients are already global
+        # Each gradient is sharded as its weight: sum its squares over the axes that split it.
+        squares = jax.tree.map(lambda g, spec: lax.psum(jnp.sum(g * g), spec_axes(spec)) if spec_axes(spec) else jnp.sum(g * g), grads, weight_specs)
+        grad_norm = jnp.sqrt(sum(jax.tree.leaves(squares)))
+        weights, mu, nu, lr = optimizer_step(h.training, step, state.weights, grads, state.adam_mu, state.adam_nu, grad_norm)
+        return State(weights, mu, nu), Metrics(loss, lr, grad_norm)
+
+    return step_on_device(state, step, targets, is_seq_start)
+
+
+def init_state(h: Config, mesh) -> State:
+    shardings = make_shardings(State, mesh)
+
+    @partial(jax.jit, out_shardings=shardings)
+    def init():
+        weights = init_weights(h.model, jax.random.key(h.training.seed))
+        zeros = jax.tree.map(jnp.zeros_like, weights)
+        return State(weights, zeros, zeros)
+
+    return init()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def validate_config(h: Config, n_devices: int, max_token_id: int):
+    """Every mismatch between config, devices and data, found before any compilation."""
+    m, d, t = h.model, h.mesh.d, h.mesh.t
+    if d < 1 or t < 1 or d * t != n_devices:
+        raise ConfigError(f"mesh.d={d} x mesh.t={t} = {d * t} must equal the {n_devices} devices; choose mesh.d and mesh.t whose product is {n_devices}")
+    divisible = [
+        ("training.tokens.batch", h.training.tokens.batch, "mesh.d", d),
+        ("model.d_model", m.d_model, "mesh.d", d),
+        ("model.n_kv", m.n_kv, "mesh.t", t),
+        ("model.d_ff", m.d_ff, "mesh.t", t),
+        ("model.vocab", m.vocab, "mesh.t", t),
+    ]
+    for key, value, axis_key, axis in divisible:
+        if value <= 0 or value % axis:
+            raise ConfigError(f"{key}={value} is not divisible by {axis_key}={axis}; make it a positive multiple of {axis}")
+    if m.d_head % 2:
+        raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
+    if m.vocab <= max_token_id:
+        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset, whose max_token_id is {max_token_id}; set model.vocab to at least {max_token_id + 1}")
+    if h.training.steps < 1 or h.training.warmup_steps < 0 or h.training.tokens.len < 1:
+        raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
+
+
+def train(h: Config, resolved_yaml: str):
+    dataset = open_flat_tokens(h.dataset.path)
+    validate_config(h, jax.device_count(), dataset.max_token_id)
+    mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    loader = PackedLoader(dataset, "train", h.training.tokens.batch, h.training.tokens.len, mesh)
+    run_dir = os.path.join(h.paths.root_working_dir, h.paths.model_name)
+    log = training_io.RunLog(run_dir, resolved_yaml, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
+    with jax.set_mesh(mesh):
+        state = init_state(h, mesh)
+        pending = None  # log step s after dispatching step s+1, so logging never stalls the device
+        for step in range(h.training.steps):
+            batch = loader.batch(step)
+            state, metrics = training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start, h)
+            if pending is not None:
+                log.step(*pending)
+            pending = (step, metrics)
+        log.step(*pending)
+    log.close()
+    return state
+
+
+@hydra.main(config_path="configs", config_name=None, version_base=None)
+def main(cfg: DictConfig):
+    try:
+        h = config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
+        train(h, OmegaConf.to_yaml(cfg, resolve=True))
+    except (ConfigError, DatasetError) as e:
+        print(f"seqax: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
