@@ -32,7 +32,7 @@ from data_loader import PackedLoader
 from flat_tokens import DatasetError, open_flat_tokens
 from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
 from shardlib.shardops import all_gather, einsum_unreduced, index_unreduced, psum
-from shardlib.shardtypes import Array, bf16, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
+from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
 
 # ---------------------------------------------------------------------------------------------
 # Configuration: numbers and paths only. Every key is required (configs/*.yaml).
@@ -119,7 +119,7 @@ class Layer:
 @pytree_dataclass
 class Model:
     embed: f32[b"V/t M/d"]
-    layers: Array["layers", Layer]
+    layers: Array[b"layers", Layer]
     final_norm: f32[b"M"]
     unembed: f32[b"M/d V/t"]
 
@@ -370,7 +370,7 @@ def validate_config(h: Config, n_devices: int, max_token_id: int):
     if m.d_head % 2:
         raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
     if m.vocab <= max_token_id:
-        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset, whose max_token_id is {max_token_id}; set model.vocab to at least {max_token_id + 1}")
+        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; set model.vocab to at least {max_token_id + 1}")
     if h.training.steps < 1 or h.training.warmup_steps < 0 or h.training.tokens.len < 1:
         raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
 

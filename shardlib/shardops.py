@@ -119,7 +119,8 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
             if d.name.isdecimal():
                 raise SpecError(f"{op}: spec {spec!r} uses a number {d.name!r} as a dimension name")
             if axes_of.setdefault(d.name, d.axes) != d.axes:
-                raise SpecError(f"{op}: in spec {spec!r}, dimension {d.name} is sharded two ways ({'/'.join(axes_of[d.name]) or 'unsharded'} and {'/'.join(d.axes) or 'unsharded'})")
+                ways = " and ".join("/".join(a) or "unsharded" for a in (axes_of[d.name], d.axes))
+                raise SpecError(f"{op}: in spec {spec!r}, dimension {d.name} is sharded two ways ({ways})")
     for d in output:
         if d.name not in axes_of:
             raise SpecError(f"{op}: in spec {spec!r}, output dimension {d.name} is not in any operand")

@@ -108,11 +108,11 @@ class Stacked:
 
 
 class Array:
-    """`Array['layers', Cls]` stacks a pytree dataclass (or an ArrayType) over a dimension."""
+    """`Array[b'layers', Cls]` stacks a pytree dataclass (or an ArrayType) over a dimension."""
 
     def __class_getitem__(cls, params):
         if not (isinstance(params, tuple) and len(params) == 2):
-            raise ShapeError("use Array['dims', Cls], e.g. Array['layers', Layer]")
+            raise ShapeError("use Array[b'dims', Cls], e.g. Array[b'layers', Layer]")
         dims, inner = parse_dims(params[0]), params[1]
         if isinstance(inner, ArrayType):
             return ArrayType(inner.dtype, inner.dtype_name, dims + inner.dims)

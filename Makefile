@@ -1,0 +1,31 @@
+# `make train` and `make test` each create .venv and install the pinned packages on first use.
+PYTHON ?= python3
+VENV := .venv
+DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
+RUN ?= local_synthetic
+
+.PHONY: train test lint clean
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(VENV)/bin/pip install -q -r requirements-dev.txt
+	touch $@
+
+synthetic_dataset.zarr: $(VENV)/.installed
+	$(VENV)/bin/python -m tools.write_synthetic_dataset --output $@
+
+train: $(VENV)/.installed synthetic_dataset.zarr
+	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_synthetic +paths.model_name=$(RUN)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VENV)/bin/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) synthetic_dataset.zarr runs

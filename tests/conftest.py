@@ -1,0 +1,7 @@
+"""Tests run on 8 simulated CPU devices; this must happen before jax is imported."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
