@@ -15,6 +15,13 @@ from flat_tokens import DatasetError, FlatTokens
 
 
 @dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+    """The `dataset:` section of the training config."""
+
+    path: str  # a flat-tokens zarr (docs/flat-tokens.md)
+
+
+@dataclasses.dataclass(frozen=True)
 class Batch:
     targets: jax.Array  # u32[B L]: the tokens to predict
     is_seq_start: jax.Array  # bool[B L]: True on the first token of a document
@@ -49,3 +56,7 @@ class PackedLoader:
         targets = jax.make_array_from_callback(shape, self.sharding, lambda i: rows_of(i) >> 1)
         starts = jax.make_array_from_callback(shape, self.sharding, lambda i: (rows_of(i) & 1).astype(bool))
         return Batch(targets, starts)
+
+
+def make_loader(h: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh) -> PackedLoader:
+    return PackedLoader(dataset, split, batch, length, mesh)

@@ -28,7 +28,7 @@ from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
 import training_io
-from data_loader import PackedLoader
+from data_loader import DatasetConfig, make_loader
 from flat_tokens import DatasetError, open_flat_tokens
 from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
 from shardlib.shardops import all_gather, einsum_unreduced, index_unreduced, psum
@@ -82,11 +82,6 @@ class MeshConfig:
 class PathsConfig:
     root_working_dir: str
     model_name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetConfig:
-    path: str  # a flat-tokens zarr (docs/flat-tokens.md)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,7 +374,7 @@ def train(h: Config, resolved_yaml: str):
     dataset = open_flat_tokens(h.dataset.path)
     validate_config(h, jax.device_count(), dataset.max_token_id)
     mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    loader = PackedLoader(dataset, "train", h.training.tokens.batch, h.training.tokens.len, mesh)
+    loader = make_loader(h.dataset, dataset, "train", h.training.tokens.batch, h.training.tokens.len, mesh)
     run_dir = os.path.join(h.paths.root_working_dir, h.paths.model_name)
     log = training_io.RunLog(run_dir, resolved_yaml, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
     with jax.set_mesh(mesh):
