@@ -5,7 +5,7 @@ A zarr v3 group with one subgroup per split (`train`, `validation`). Each split 
   seq_starts      uint64[D+1] offset of each document in encoded_tokens, then N
 and the group's attributes hold `max_token_id` (the largest token id in any split) and
 `format` = "flat-tokens/1". A dataset is written to a temporary name and renamed into place,
-so a path that exists is complete.
+so a path that exists is complete; FlatTokensWriter streams documents of any total size.
 """
 
 import dataclasses
@@ -96,22 +96,111 @@ def encode_documents(documents: list[np.ndarray]) -> tuple[np.ndarray, np.ndarra
     return encoded, seq_starts
 
 
-def write_flat_tokens(path: str, splits: dict[str, list[np.ndarray]], attrs: dict, overwrite: bool = False):
-    """Writes documents per split; the dataset appears at `path` only once complete."""
-    if os.path.exists(path) and not overwrite:
-        raise DatasetError(f"{path!r} exists; pass --overwrite to replace it")
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    group = zarr.open_group(tmp, mode="w")
-    max_token_id = 0
-    for name in SPLITS:
-        encoded, seq_starts = encode_documents(splits[name])
-        max_token_id = max(max_token_id, int(encoded.max() >> 1))
-        sub = group.create_group(name)
-        for array, data in (("encoded_tokens", encoded), ("seq_starts", seq_starts)):
-            out = sub.create_array(array, shape=data.shape, dtype=data.dtype, chunks=(min(CHUNK_TOKENS, max(1, len(data))),),
-                                   compressors=zarr.codecs.ZstdCodec(level=3))
-            out[:] = data
-    group.attrs.update({**attrs, "format": FORMAT, "max_token_id": max_token_id})
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    os.rename(tmp, path)
+class _Appender:
+    """A 1-D zarr array grown at its end; whole write units (a shard, or a chunk when unsharded)
+    are written at once, so no stored chunk is ever rewritten."""
+
+    def __init__(self, group: zarr.Group, name: str, dtype, chunk: int, shard: int | None, compression_level: int):
+        self.array = group.create_array(name, shape=(0,), dtype=dtype, chunks=(chunk,), shards=(shard,) if shard else None,
+                                        compressors=zarr.codecs.ZstdCodec(level=compression_level))
+        self.unit = shard or chunk
+        self.pending: list[np.ndarray] = []
+        self.pending_size = self.written = 0
+
+    def append(self, values: np.ndarray):
+        self.pending.append(values)
+        self.pending_size += len(values)
+        if self.pending_size >= self.unit:
+            self._write(final=False)
+
+    def _write(self, final: bool):
+        data = np.concatenate(self.pending) if self.pending else np.zeros(0, self.array.dtype)
+        keep = len(data) if final else len(data) // self.unit * self.unit
+        if keep:
+            self.array.resize((self.written + keep,))
+            self.array[self.written : self.written + keep] = data[:keep]
+            self.written += keep
+        self.pending, self.pending_size = [data[keep:]], len(data) - keep
+
+    def finish(self):
+        self._write(final=True)
+
+
+class FlatTokensWriter:
+    """Streams documents into a new flat-tokens dataset, in memory one write unit per array.
+
+    Everything goes to `<path>.tmp-<random>`; `commit()` writes the attributes (`format` last of
+    all) and renames the directory into place, so `path` either does not exist or is complete,
+    and an interrupted temporary directory is not a valid dataset. Used as a context manager, an
+    exception removes the temporary directory.
+    """
+
+    def __init__(self, path: str, overwrite: bool = False, chunk_tokens: int = CHUNK_TOKENS, shard_tokens: int | None = None, compression_level: int = 3):
+        if os.path.exists(path) and not overwrite:
+            raise DatasetError(f"{path!r} exists; pass --overwrite to replace it")
+        if chunk_tokens < 1 or (shard_tokens and shard_tokens % chunk_tokens):
+            raise DatasetError(f"chunk_tokens={chunk_tokens} must be positive and divide shard_tokens={shard_tokens}")
+        self.path, self.tmp = path, f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        self.group = zarr.open_group(self.tmp, mode="w")
+        self.max_token_id = 0
+        self.tokens = {}
+        self.starts = {}
+        for name in SPLITS:
+            sub = self.group.create_group(name)
+            self.tokens[name] = _Appender(sub, "encoded_tokens", np.uint32, chunk_tokens, shard_tokens, compression_level)
+            self.starts[name] = _Appender(sub, "seq_starts", np.uint64, chunk_tokens, shard_tokens, compression_level)
+            self.starts[name].append(np.zeros(1, np.uint64))
+        self.num_tokens = dict.fromkeys(SPLITS, 0)
+        self.num_documents = dict.fromkeys(SPLITS, 0)
+
+    def add_encoded(self, split: str, encoded: np.ndarray, lengths: np.ndarray):
+        """Appends documents already encoded (see encode_documents) with their token counts."""
+        if len(encoded):
+            self.max_token_id = max(self.max_token_id, int(encoded.max()) >> 1)
+        self.tokens[split].append(encoded.astype(np.uint32, copy=False))
+        self.starts[split].append(self.num_tokens[split] + np.cumsum(lengths, dtype=np.uint64))
+        self.num_tokens[split] += int(np.sum(lengths, dtype=np.uint64))
+        self.num_documents[split] += len(lengths)
+
+    def add_documents(self, split: str, documents: list[np.ndarray]):
+        if documents:
+            encoded, seq_starts = encode_documents(documents)
+            self.add_encoded(split, encoded, np.diff(seq_starts))
+
+    def add_bytes(self, name: str, data: bytes):
+        """Stores a blob (for example the tokenizer's JSON) as a uint8 array at the group's root."""
+        out = self.group.create_array(name, shape=(len(data),), dtype=np.uint8, chunks=(max(1, len(data)),), compressors=zarr.codecs.ZstdCodec(level=3))
+        out[:] = np.frombuffer(data, np.uint8)
+
+    def commit(self, attrs: dict):
+        for name in SPLITS:
+            if self.num_documents[name] == 0:
+                raise DatasetError(f"split {name!r} of {self.path!r} would have no documents")
+            self.tokens[name].finish()
+            self.starts[name].finish()
+        self.group.attrs.update({**attrs, "max_token_id": self.max_token_id})
+        self.group.attrs["format"] = FORMAT
+        old = f"{self.path}.old-{uuid.uuid4().hex[:8]}"
+        if os.path.exists(self.path):
+            os.rename(self.path, old)
+        os.rename(self.tmp, self.path)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        if kind is not None:
+            self.abort()
+
+
+def write_flat_tokens(path: str, splits: dict[str, list[np.ndarray]], attrs: dict, overwrite: bool = False, **storage):
+    """Writes lists of documents per split; the dataset appears at `path` only once complete.
+    `storage`: chunk_tokens, shard_tokens, compression_level (see FlatTokensWriter)."""
+    with FlatTokensWriter(path, overwrite=overwrite, **storage) as writer:
+        for name in SPLITS:
+            writer.add_documents(name, splits[name])
+        writer.commit(attrs)
