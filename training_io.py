@@ -1,10 +1,46 @@
-"""What a run writes besides checkpoints: config.yaml, metrics.jsonl and the console lines."""
+"""What a run writes besides checkpoints: config.yaml, metrics.jsonl and the console lines;
+the model FLOPs formula and the CPU's measured matmul rate for MFU."""
 
 import json
 import os
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def model_flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token of the model config `m` (train.ModelConfig): 2 per multiply-add
+    of every matmul in the forward pass, times 3 for forward + backward (the backward does two
+    matmuls per forward matmul). Attention counts QK^T and PV over the causal half of the
+    L x L scores. Norms, RoPE, softmax and the optimizer are left out (well under 1%)."""
+    M, Q, K, D, F, V = m.d_model, m.n_q_per_kv, m.n_kv, m.d_head, m.d_ff, m.vocab
+    projections = 2 * M * Q * K * D + 2 * (2 * M * K * D) + 2 * Q * K * D * M  # q, k and v, out
+    ffn = 3 * (2 * M * F)  # gate, up, down
+    attention = 2 * (2 * Q * K * D * seq_len) / 2  # QK^T and PV, causal half
+    forward = m.layers * (projections + ffn + attention) + 2 * M * V  # + unembedding
+    return 3.0 * forward
+
+
+def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+    """The bf16 x bf16 -> f32 matmul rate of the whole machine (FLOP/s, median), the
+    denominator of CPU MFU: every local device multiplies its own n x n matrices at once, as in
+    training, so simulated devices that share cores are measured sharing them."""
+    devices = jax.local_devices()
+    mesh = jax.sharding.Mesh(np.array(devices), ("all",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
+    a = jax.device_put(jnp.ones((len(devices) * n, n), jnp.bfloat16), sharding)
+    matmul = jax.shard_map(lambda x: jnp.matmul(x, x[:n].T, preferred_element_type=jnp.float32), mesh=mesh,
+                           in_specs=jax.sharding.PartitionSpec("all"), out_specs=jax.sharding.PartitionSpec("all"))
+    f = jax.jit(matmul)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return len(devices) * 2 * n**3 / float(np.median(times))
 
 
 class RunLog:

@@ -95,7 +95,10 @@ def psum_scatter(spec: str, x):
 def psum(spec: str, x, axes: str | tuple[str, ...]):
     """Sums float32 partials over `axes` (an all-reduce); `spec` is the layout, unchanged."""
     op = "psum"
-    dims = parse_dims(spec)
+    try:
+        dims = parse_dims(spec)
+    except ShapeError as e:
+        raise SpecError(f"{op}: {e}") from None
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     used = {a for d in dims for a in d.axes}
     if not axes or used & set(axes):
@@ -121,6 +124,11 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
             if axes_of.setdefault(d.name, d.axes) != d.axes:
                 ways = " and ".join("/".join(a) or "unsharded" for a in (axes_of[d.name], d.axes))
                 raise SpecError(f"{op}: in spec {spec!r}, dimension {d.name} is sharded two ways ({ways})")
+    dim_of_axis: dict[str, str] = {}
+    for name, axes in axes_of.items():
+        for axis in axes:
+            if dim_of_axis.setdefault(axis, name) != name:
+                raise SpecError(f"{op}: in spec {spec!r}, mesh axis {axis!r} splits both {dim_of_axis[axis]} and {name}; blocks would not line up")
     for d in output:
         if d.name not in axes_of:
             raise SpecError(f"{op}: in spec {spec!r}, output dimension {d.name} is not in any operand")
@@ -147,6 +155,9 @@ def index_unreduced(spec: str, table, indices):
     table_dims, index_dims = inputs
     if not table_dims:
         raise SpecError(f"{op}: spec {spec!r} has a table with no dimension to index")
+    shared = {a for d in table_dims for a in d.axes} & {a for d in index_dims for a in d.axes}
+    if shared:
+        raise SpecError(f"{op}: in spec {spec!r}, the indices are split over {sorted(shared)}, which also split the table")
     expected = index_dims + table_dims[1:]
     if [str(d) for d in output] != [str(d) for d in expected]:
         raise SpecError(f"{op}: spec {spec!r} must produce the index dims then the table's other dims: {dims_str(expected)}")

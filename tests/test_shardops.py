@@ -1,0 +1,227 @@
+"""Each shardops op on 8 simulated devices against plain numpy, forward and gradient, and
+every malformed spec rejected before any computation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from model_fixtures import make_mesh
+
+from shardlib import shardops
+from shardlib.shardops import SpecError, all_gather, einsum_unreduced, index_unreduced, psum, psum_scatter
+from shardlib.shardtypes import f32, i32, typed_shard_map
+
+rng = np.random.default_rng(0)
+
+
+def rand(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture
+def mesh():
+    mesh = make_mesh(4, 2)
+    with jax.set_mesh(mesh):
+        yield mesh
+
+
+def check_close(actual, expected):
+    np.testing.assert_allclose(np.asarray(actual), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_all_gather_forward_and_gradient(mesh):
+    w, c = rand(8, 6), rand(4, 8, 6)  # c: one cotangent per d-device
+
+    @typed_shard_map
+    def gathered(w: f32[b"M/d F/t"]) -> f32[b"X/d M F/t"]:
+        return all_gather("M/d F/t -> M F/t", w)[None]  # each d-device returns what it got
+
+    out = jax.jit(gathered)(w)
+    for i in range(4):
+        check_close(out[i], w)
+
+    @typed_shard_map
+    def loss(w: f32[b"M/d F/t"], c: f32[b"X/d M F/t"]) -> f32[b""]:
+        return lax.psum(jnp.sum(all_gather("M/d F/t -> M F/t", w) * c[0]), ("d", "t"))
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(w, c)
+    check_close(value, np.sum(w[None] * c))
+    check_close(grad, c.sum(0))  # the transpose is a reduce-scatter over d
+
+
+def test_all_gather_over_two_axes_of_one_dimension(mesh):
+    w = rand(16, 3)
+
+    @typed_shard_map
+    def gathered(w: f32[b"M/d/t F"]) -> f32[b"X/d/t M F"]:
+        return all_gather("M/d/t F -> M F", w)[None]
+
+    out = jax.jit(gathered)(w)
+    for i in range(8):
+        check_close(out[i], w)
+
+
+def test_psum_scatter_forward_and_gradient(mesh):
+    x, c = rand(2, 5, 6), rand(5, 6)  # x: a partial sum per t-device
+
+    @typed_shard_map
+    def scattered(x: f32[b"X/t B M"]) -> f32[b"B M/t"]:
+        return psum_scatter("B M -> B M/t", x[0])
+
+    check_close(jax.jit(scattered)(x), x.sum(0))
+
+    @typed_shard_map
+    def loss(x: f32[b"X/t B M"], c: f32[b"B M/t"]) -> f32[b""]:
+        return lax.psum(jnp.sum(psum_scatter("B M -> B M/t", x[0]) * c), "t")
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(x, c)
+    check_close(value, np.sum(x.sum(0) * c))
+    check_close(grad, np.broadcast_to(c, x.shape))  # the transpose is an all-gather
+
+
+def test_psum_scatter_over_two_axes(mesh):
+    x = rand(8, 3, 16)
+
+    @typed_shard_map
+    def scattered(x: f32[b"X/d/t B M"]) -> f32[b"B M/d/t"]:
+        return psum_scatter("B M -> B M/d/t", x[0])
+
+    check_close(jax.jit(scattered)(x), x.sum(0))
+
+
+def test_psum_forward_and_gradient(mesh):
+    x, c = rand(2, 4, 3), rand(4, 3)
+
+    @typed_shard_map
+    def summed(x: f32[b"X/t B/d M"]) -> f32[b"B/d M"]:
+        return psum("B/d M", x[0], "t")
+
+    check_close(jax.jit(summed)(x), x.sum(0))
+
+    @typed_shard_map
+    def loss(x: f32[b"X/t B/d M"], c: f32[b"B/d M"]) -> f32[b""]:
+        return lax.psum(jnp.sum(psum("B/d M", x[0], "t") * c), "d")
+
+    value, grad = jax.jit(jax.value_and_grad(loss))(x, c)
+    check_close(value, np.sum(x.sum(0) * c))
+    check_close(grad, np.broadcast_to(c, x.shape))
+
+
+def test_einsum_unreduced_sharded_output_dims(mesh):
+    x, w = rand(8, 6), rand(6, 4)
+
+    @typed_shard_map
+    def product(x: f32[b"B/d M"], w: f32[b"M F/t"]) -> f32[b"B/d F/t"]:
+        return einsum_unreduced("B/d M, M F/t -> B/d F/t", x, w)
+
+    check_close(jax.jit(product)(x, w), x @ w)
+
+
+def test_einsum_unreduced_sharded_contraction_forward_and_gradient(mesh):
+    x, w, c = rand(8, 6), rand(6, 4), rand(8, 4)
+
+    @typed_shard_map
+    def loss(x: f32[b"B/d M/t"], w: f32[b"M/t F"], c: f32[b"B/d F"]) -> f32[b""]:
+        partial = einsum_unreduced("B/d M/t, M/t F -> B/d F", x, w)  # a partial sum over t
+        return lax.psum(jnp.sum(psum("B/d F", partial, "t") * c), "d")
+
+    value, (gx, gw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, c)
+    check_close(value, np.sum((x @ w) * c))
+    check_close(gx, c @ w.T)
+    check_close(gw, x.T @ c)
+
+
+def test_einsum_unreduced_accumulates_bf16_in_f32():
+    x = jnp.full((1, 4096), 1.0 + 2**-7, jnp.bfloat16)
+    out = einsum_unreduced("B M, M F -> B F", x, jnp.ones((4096, 1), jnp.bfloat16))
+    assert out.dtype == jnp.float32
+    assert float(out[0, 0]) == pytest.approx(4096 * (1 + 2**-7))
+
+
+def test_index_unreduced_forward_and_gradient(mesh):
+    table, c = rand(16, 3), rand(8, 5, 3)
+    ids = rng.integers(0, 16, size=(8, 5)).astype(np.int32)
+
+    @typed_shard_map
+    def lookup(table: f32[b"V/t M"], ids: i32[b"B/d L"]) -> f32[b"B/d L M"]:
+        return psum("B/d L M", index_unreduced("V/t M, B/d L -> B/d L M", table, ids), "t")
+
+    check_close(jax.jit(lookup)(table, ids), table[ids])
+
+    def loss(table, ids, c):
+        return jnp.sum(lookup(table, ids) * c)
+
+    expected = np.zeros_like(table)
+    np.add.at(expected, ids, c)
+    check_close(jax.jit(jax.grad(loss))(table, ids, c), expected)
+
+
+def test_axis_size(mesh):
+    @typed_shard_map
+    def sizes(x: f32[b"B/d"]) -> f32[b"B/d"]:
+        return x * 0 + shardops.axis_size("d") * 10 + shardops.axis_size(("d", "t"))
+
+    check_close(jax.jit(sizes)(np.zeros(4, np.float32)), np.full(4, 48.0))
+
+
+@pytest.mark.parametrize(
+    "op,spec,message",
+    [
+        (all_gather, "M/d F/t", "exactly one '->'"),
+        (all_gather, "M/d F/t -> F M/t", "same dimensions in the same order"),
+        (all_gather, "M/d F/t -> M/t F", "not a gather"),
+        (all_gather, "M/d/t -> M/t", "not a gather"),  # only innermost axes may go
+        (all_gather, "M/d F -> M/d F", "gathers nothing"),
+        (all_gather, "M/d, F -> M F", "exactly one operand"),
+        (all_gather, "M/d F/d -> M F", "shards two dimensions"),
+        (psum_scatter, "B M/t -> B M", "not a scatter"),
+        (psum_scatter, "B M -> B M", "scatters nothing"),
+        (psum_scatter, "B M/t -> B/d M", "not a scatter"),  # may only add axes
+        (psum_scatter, "B M -> M/t B", "same dimensions"),
+        (psum_scatter, "B-2 M -> B M/t", "bad dimension"),
+    ],
+)
+def test_malformed_gather_and_scatter_specs(op, spec, message):
+    with pytest.raises(SpecError, match=message):
+        op(spec, np.zeros((4, 4), np.float32))  # outside shard_map: the spec fails first
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("B M, M F", "exactly one '->'"),
+        ("B M/t, M F -> B F", "sharded two ways"),
+        ("B M, M F -> B G", "output dimension G is not in any operand"),
+        ("B/d M, M F -> B F", "must keep its input sharding"),
+        ("B M, M F, F G -> B G", "names 3 operands, got 2"),
+        ("B/t M, M F/t -> B/t F", "mesh axis 't' splits both B and F"),
+        ("B M N, M F -> B F", r"gives the operand 3 dims \(B M N\), but its shape is \(2, 3\)"),
+    ],
+)
+def test_malformed_einsum_specs(spec, message):
+    with pytest.raises(SpecError, match=message):
+        einsum_unreduced(spec, np.zeros((2, 3), np.float32), np.zeros((3, 4), np.float32))
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("V/t M -> B L M", "needs two operands"),
+        ("V/t M, B L -> B L", "must produce the index dims then the table's other dims: B L M"),
+        ("V/t M, B L -> B L M/t", "must produce the index dims then the table.s other dims: B L M"),
+        ("V/t M, B/t L -> B/t L M", r"indices are split over \['t'\], which also split the table"),
+    ],
+)
+def test_malformed_index_specs(spec, message):
+    with pytest.raises(SpecError, match=message):
+        index_unreduced(spec, np.zeros((4, 3), np.float32), np.zeros((2, 2), np.int32))
+
+
+def test_psum_refuses_bf16_partials_and_sharded_axes():
+    with pytest.raises(SpecError, match="partial sums must be float32"):
+        psum("B M", jnp.zeros((2, 3), jnp.bfloat16), "t")
+    with pytest.raises(SpecError, match="cannot sum over"):
+        psum("B M/t", jnp.zeros((2, 3)), "t")
+    with pytest.raises(SpecError, match="partial sums must be float32"):
+        psum_scatter("B M -> B M/t", jnp.zeros((2, 4), jnp.bfloat16))

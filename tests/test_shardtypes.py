@@ -1,0 +1,168 @@
+"""Shape, dtype, dimension and mesh-axis checking, and specs derived from annotations."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from model_fixtures import make_mesh
+
+from shardlib.shardtypes import (
+    Array,
+    ShapeError,
+    bf16,
+    f32,
+    make_partition_specs,
+    make_shardings,
+    parse_dims,
+    pytree_dataclass,
+    typechecked,
+    typed_shard_map,
+    u32,
+)
+
+
+@pytree_dataclass
+class Block:
+    w: f32[b"M/d F/t"]
+    norm: f32[b"M"]
+
+
+@pytree_dataclass
+class Net:
+    embed: bf16[b"V/t M/d"]
+    blocks: Array[b"layers", Block]
+    step: u32[b""]
+
+
+def test_partition_specs_follow_annotations():
+    specs = make_partition_specs(Net)
+    assert specs.embed == P("t", "d")
+    assert specs.blocks.w == P(None, "d", "t")  # the stacked layers dimension is not sharded
+    assert specs.blocks.norm == P(None, None)
+    assert specs.step == P()
+    assert make_partition_specs(f32[b"B/d/t L"]) == P(("d", "t"), None)
+    assert make_partition_specs(tuple[f32[b"B/d"], u32[b""]]) == (P("d"), P())
+
+
+def test_shardings_are_named_shardings_on_the_mesh():
+    mesh = make_mesh(4, 2)
+    shardings = make_shardings(Net, mesh)
+    assert shardings.blocks.w == NamedSharding(mesh, P(None, "d", "t"))
+
+
+def test_unknown_mesh_axis_in_sharding_is_rejected():
+    with pytest.raises(ShapeError, match=r"unknown mesh axis 'x'.*the mesh has axes \('d', 't'\)"):
+        make_shardings(f32[b"B/x L"], make_mesh(4, 2))
+
+
+def test_malformed_specs_are_rejected():
+    with pytest.raises(ShapeError, match="bad dimension"):
+        parse_dims(b"B/d L-1")
+    with pytest.raises(ShapeError, match="shards two dimensions"):
+        parse_dims(b"B/d M/d")
+    with pytest.raises(ShapeError, match="name repeats"):
+        parse_dims(b"L L")
+    with pytest.raises(ShapeError, match="cannot be sharded"):
+        parse_dims(b"2/d M")
+
+
+@typechecked
+def matmul(x: f32[b"B L M"], w: f32[b"M F"]) -> f32[b"B L F"]:
+    return x @ w
+
+
+def test_checker_accepts_consistent_shapes():
+    assert matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))).shape == (2, 3, 5)
+
+
+def test_wrong_dtype_names_argument_and_dtypes():
+    with pytest.raises(ShapeError, match=r"argument 'w': expected dtype float32 .* got bfloat16"):
+        matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5), jnp.bfloat16))
+
+
+def test_wrong_rank_names_argument_and_shape():
+    with pytest.raises(ShapeError, match=r"argument 'x': expected 3 dimensions \(B L M\), got shape \(2, 4\)"):
+        matmul(jnp.zeros((2, 4)), jnp.zeros((4, 5)))
+
+
+def test_inconsistent_dimension_names_dimension_and_both_sizes():
+    with pytest.raises(ShapeError, match=r"argument 'w': dimension M of f32\[b'M F'\] is 6, but M was 4 earlier"):
+        matmul(jnp.zeros((2, 3, 4)), jnp.zeros((6, 5)))
+
+
+def test_wrong_return_shape_is_caught():
+    @typechecked
+    def bad(x: f32[b"B L"]) -> f32[b"B L"]:
+        return x.T
+
+    with pytest.raises(ShapeError, match=r"return value: dimension B"):
+        bad(jnp.zeros((2, 3)))
+
+
+def test_scopes_are_per_call():
+    """Each call records its own sizes: two calls with different B are both fine."""
+    matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)))
+    matmul(jnp.zeros((7, 3, 8)), jnp.zeros((8, 1)))
+
+
+def test_fixed_size_dimension():
+    @typechecked
+    def pair(x: f32[b"2 M"]) -> f32[b"M"]:
+        return x[0]
+
+    pair(jnp.zeros((2, 3)))
+    with pytest.raises(ShapeError, match=r"dimension 2 of f32\[b'2 M'\] must be 2, got 3"):
+        pair(jnp.zeros((3, 3)))
+
+
+def test_dataclass_fields_and_stacked_layers_are_checked():
+    @typechecked
+    def first(net: Net) -> f32[b"M/d F/t"]:
+        return net.blocks.w[0]
+
+    good = Net(jnp.zeros((8, 4), jnp.bfloat16), Block(jnp.zeros((3, 4, 6)), jnp.zeros((3, 4))), jnp.zeros((), jnp.uint32))
+    first(good)
+    bad = Net(good.embed, Block(jnp.zeros((3, 5, 6)), jnp.zeros((3, 4))), good.step)
+    with pytest.raises(ShapeError, match=r"argument 'net'.blocks.w: dimension M of f32\[b'layers M/d F/t'\] is 5, but M was 4"):
+        first(bad)
+
+
+def test_inside_shard_map_sizes_are_per_device_and_checked_as_global():
+    mesh = make_mesh(4, 2)
+
+    @typed_shard_map
+    def local(x: f32[b"B/d M/t"], w: f32[b"M/t"]) -> f32[b"B/d M/t"]:
+        assert x.shape == (2, 3)  # per device: 8/4 rows, 6/2 columns
+        return x * w
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(local)(jnp.ones((8, 6)), jnp.arange(6.0))
+    assert out.shape == (8, 6)
+
+    @typed_shard_map
+    def mismatch(x: f32[b"B/d M/t"], w: f32[b"M"]) -> f32[b"B/d M/t"]:
+        return x
+
+    with jax.set_mesh(mesh), pytest.raises(ShapeError, match=r"argument 'w': dimension M of f32\[b'M'\] is 3, but M was 6 earlier"):
+        jax.jit(mismatch)(jnp.ones((8, 6)), jnp.arange(3.0))
+
+
+def test_unknown_mesh_axis_inside_shard_map_is_caught():
+    mesh = make_mesh(4, 2)
+
+    @typechecked
+    def inner(x: f32[b"B/q"]) -> f32[b"B/q"]:
+        return x
+
+    @typed_shard_map
+    def outer(x: f32[b"B/d"]) -> f32[b"B/d"]:
+        return inner(x)
+
+    with jax.set_mesh(mesh), pytest.raises(ShapeError, match=r"unknown mesh axis 'q'.*the mesh has axes \('d', 't'\)"):
+        jax.jit(outer)(jnp.ones(8))
+
+
+def test_not_an_array_is_caught():
+    with pytest.raises(ShapeError, match=r"argument 'x': expected an array f32\[b'B L M'\], got list"):
+        matmul([1.0], jnp.zeros((4, 5)))
