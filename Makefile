@@ -4,7 +4,9 @@ VENV := .venv
 DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 RUN ?= local_synthetic
 
-.PHONY: train test lint clean
+TEXT_RUN ?= local_text
+
+.PHONY: train train-text test lint clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +23,14 @@ synthetic_dataset.zarr: $(VENV)/.installed
 train: $(VENV)/.installed synthetic_dataset.zarr
 	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_synthetic +paths.model_name=$(RUN)
 
+# Real text that exists wherever Python does: the standard library's own source (no tests).
+text_dataset.zarr: $(VENV)/.installed
+	$(VENV)/bin/python -m tools.prepare_dataset "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
+		--suffixes .py --exclude '*/site-packages/*' '*/test/*' '*/tests/*' '*/idle_test/*' --validation-documents 20 --output $@
+
+train-text: $(VENV)/.installed text_dataset.zarr
+	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_text +paths.model_name=$(TEXT_RUN)
+
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 
@@ -28,4 +38,4 @@ test: lint
 	$(VENV)/bin/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV) synthetic_dataset.zarr runs
+	rm -rf $(VENV) synthetic_dataset.zarr text_dataset.zarr runs

@@ -12,7 +12,8 @@ less the paths that match an --exclude pattern:
                     non-blank lines is one document (cut at lines holding only whitespace;
                     the line break before a blank line is not part of the document).
   --hf-dataset      a Hugging Face dataset, read with `datasets` in streaming mode.
-Empty documents are skipped. Documents keep their input order in each split.
+Empty documents are skipped. Documents keep their input order in each split, except that with
+--validation-documents a train document may come later (it was held as a validation candidate).
 
 Tokenizers (tools/tokenizer.py): `bytes` (UTF-8 bytes, vocabulary 258, no download; the default)
 or a `tokenizers` tokenizer.json. Ids are stored +1 (0 is the model's begin-of-document input).
@@ -22,13 +23,15 @@ keyed hash blake2b("<seed>:<i>") falls in the lowest --validation-fraction of th
 or, with --validation-documents N, when it is among the N documents with the lowest hashes. The
 choice depends only on the seed and the document's position, not on the tokenizer.
 
-Tokenization runs in --workers processes (default: all cores) with a progress bar in tokens/s.
+Tokenization runs in --workers processes (default: all cores; 1: in this process) with a
+progress bar in tokens/s.
 --max-tokens stops after that many tokens in all (the last document is cut there). The dataset
 is written under a temporary name and renamed into place when complete; an existing output is
 replaced only with --overwrite.
 """
 
 import argparse
+import contextlib
 import fnmatch
 import glob
 import hashlib
@@ -191,15 +194,16 @@ def prepare(args) -> dict:
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds zarr's threads
     with FlatTokensWriter(args.output, overwrite=args.overwrite, chunk_tokens=args.chunk_tokens, shard_tokens=args.shard_tokens or None,
                           compression_level=args.compression_level) as writer, \
-            context.Pool(args.workers, initializer=_start_worker, initargs=(tokenizer.spec(),)) as pool:
+            context.Pool(args.workers, initializer=_start_worker, initargs=(tokenizer.spec(),)) if args.workers > 1 else contextlib.nullcontext() as pool:
         from tqdm import tqdm
 
         splitter = Splitter(writer, args.seed, args.validation_fraction, args.validation_documents)
         progress = tqdm(total=args.max_tokens, unit="tok", unit_scale=True, disable=args.quiet, file=sys.stderr)
-        for docs in pool.imap(_encode, text_batches(documents(args))):
+        encoded = pool.imap(_encode, text_batches(documents(args))) if pool else map(tokenizer.encode, text_batches(documents(args)))
+        for docs in encoded:
             if args.max_tokens is not None:
                 room = np.cumsum([0] + [len(d) for d in docs])
-                keep = int(np.searchsorted(room, args.max_tokens - total, side="left"))
+                keep = int(np.searchsorted(room, args.max_tokens - total, side="right")) - 1  # whole documents that fit
                 docs = docs[:keep] + ([docs[keep][: args.max_tokens - total - int(room[keep])]] if keep < len(docs) else [])
                 docs = [d for d in docs if len(d)]
             splitter.add(docs)

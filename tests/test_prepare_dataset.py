@@ -1,0 +1,184 @@
+"""tools/prepare_dataset.py: text -> flat-tokens -> text, validation choice, and bad inputs."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flat_tokens import FlatTokensWriter, open_flat_tokens
+from tools import prepare_dataset
+from tools.tokenizer import dataset_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PIECES = ["héllo wörld", "naïve café", "日本語のテキスト", "def f(x):\n    return x * 2", "plain ascii"]
+DOCUMENTS = [f"Document {i}: " + " ".join(PIECES[: 1 + i % 5]) * (1 + i % 3) for i in range(30)]
+
+
+def run(argv):
+    prepare_dataset.main(argv + ["--workers", "1", "--quiet"])
+
+
+def run_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("prepare_dataset: error: ")
+    return err[0]
+
+
+def decoded(path: str) -> dict[str, list[str]]:
+    dataset, tokenizer = open_flat_tokens(path), dataset_tokenizer(path)
+    out = {}
+    for name, split in dataset.splits.items():
+        starts, tokens = split.seq_starts[:].astype(int), split.encoded_tokens[:] >> 1
+        out[name] = [tokenizer.decode(tokens[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    return out
+
+
+def assert_round_trip(path: str, documents: list[str], ordered=("train", "validation")):
+    splits = decoded(path)
+    assert sorted(splits["train"] + splits["validation"]) == sorted(documents)
+    for name in ordered:  # these splits keep the input order
+        positions = [documents.index(d) for d in splits[name]]
+        assert positions == sorted(positions)
+
+
+def write_inputs(folder, kind: str) -> list[str]:
+    """Writes DOCUMENTS in one input format; returns the arguments that name them."""
+    os.makedirs(folder, exist_ok=True)
+    if kind == "files":
+        for i, d in enumerate(DOCUMENTS):
+            with open(os.path.join(folder, f"doc{i:03d}.txt"), "w", encoding="utf-8", newline="") as f:
+                f.write(d)
+        return [str(folder)]
+    if kind == "paragraph":
+        path = os.path.join(folder, "all.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n\n  \n".join(DOCUMENTS) + "\n")  # blocks of several lines, blank lines with spaces
+        return [path, "--txt-documents", "paragraph"]
+    if kind == "jsonl":
+        path = os.path.join(folder, "all.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCUMENTS))
+        return [path]
+    import pyarrow
+    import pyarrow.parquet
+
+    path = os.path.join(folder, "all.parquet")
+    pyarrow.parquet.write_table(pyarrow.table({"body": DOCUMENTS}), path, row_group_size=7)
+    return [path, "--text-field", "body"]
+
+
+@pytest.mark.parametrize("kind", ["files", "paragraph", "jsonl", "parquet"])
+def test_byte_round_trip(tmp_path, kind):
+    args = write_inputs(tmp_path / "in", kind)
+    out = str(tmp_path / "out.zarr")
+    run(args + ["--output", out, "--validation-documents", "4"])
+    assert_round_trip(out, DOCUMENTS, ordered=["validation"])
+    dataset = open_flat_tokens(out)
+    assert dataset.attrs["tokenizer"]["kind"] == "bytes" and dataset.max_token_id == 257  # every document ends with <eos>
+    assert len(decoded(out)["validation"]) == 4
+
+
+def test_bpe_round_trip(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
+    tokenizer.train_from_iterator(DOCUMENTS, trainer)
+    tokenizer_path = str(tmp_path / "tokenizer.json")
+    tokenizer.save(tokenizer_path)
+    out = str(tmp_path / "bpe.zarr")
+    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--tokenizer", tokenizer_path, "--eos-token", "<eos>", "--validation-fraction", "0.2"])
+    assert_round_trip(out, DOCUMENTS)
+    info = open_flat_tokens(out).attrs["tokenizer"]
+    assert info["kind"] == "tokenizers" and info["eos_id"] == tokenizer.token_to_id("<eos>") + 1
+    bytes_out = str(tmp_path / "bytes.zarr")
+    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", bytes_out, "--validation-fraction", "0.2"])
+    assert open_flat_tokens(out).splits["train"].num_tokens < open_flat_tokens(bytes_out).splits["train"].num_tokens / 2  # BPE merges
+    assert decoded(out)["validation"] == decoded(bytes_out)["validation"]  # the choice does not depend on the tokenizer
+
+
+def test_hugging_face_streaming_from_local_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    path = write_inputs(tmp_path / "in", "jsonl")[0]
+    out = str(tmp_path / "hf.zarr")
+    run(["--hf-dataset", "json", "--hf-data-files", path, "--output", out, "--validation-fraction", "0.2"])
+    assert_round_trip(out, DOCUMENTS)
+
+
+def test_validation_choice(tmp_path):
+    args = write_inputs(tmp_path / "in", "jsonl")
+    run(args + ["--output", str(tmp_path / "a.zarr"), "--validation-fraction", "0.3"])
+    run(args + ["--output", str(tmp_path / "b.zarr"), "--validation-fraction", "0.3", "--workers", "2"])
+    a, b = decoded(str(tmp_path / "a.zarr")), decoded(str(tmp_path / "b.zarr"))
+    assert a == b and 3 <= len(a["validation"]) <= 18
+    run(args + ["--output", str(tmp_path / "c.zarr"), "--validation-fraction", "0.3", "--seed", "1"])
+    assert decoded(str(tmp_path / "c.zarr"))["validation"] != a["validation"]
+    run(args + ["--output", str(tmp_path / "d.zarr"), "--validation-documents", "7"])
+    assert len(decoded(str(tmp_path / "d.zarr"))["validation"]) == 7
+
+
+def test_max_tokens(tmp_path):
+    out = str(tmp_path / "cut.zarr")
+    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--max-tokens", "1000", "--validation-documents", "1"])
+    dataset = open_flat_tokens(out)
+    assert dataset.splits["train"].num_tokens + dataset.splits["validation"].num_tokens == 1000
+
+
+def test_existing_output_is_kept_without_overwrite(tmp_path, capsys):
+    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--validation-documents", "1"]
+    run(args + ["--max-tokens", "500"])
+    assert "exists; pass --overwrite" in run_error(args, capsys)
+    assert open_flat_tokens(str(tmp_path / "out.zarr")).attrs["train_tokens"] + open_flat_tokens(str(tmp_path / "out.zarr")).attrs["validation_tokens"] == 500
+    run(args + ["--overwrite"])
+    assert_round_trip(str(tmp_path / "out.zarr"), DOCUMENTS, ordered=["validation"])
+    assert glob.glob(str(tmp_path / "out.zarr.*")) == []
+
+
+def test_interrupted_run_leaves_no_dataset(tmp_path, monkeypatch):
+    def interrupt(self, docs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_dataset.Splitter, "add", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run(write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr")])
+    assert not os.path.exists(tmp_path / "out.zarr") and glob.glob(str(tmp_path / "out.zarr*")) == []
+    # Killed without cleanup: the temporary directory is not a dataset.
+    writer = FlatTokensWriter(str(tmp_path / "killed.zarr"))
+    writer.add_documents("train", [np.arange(1, 5, dtype=np.uint32)])
+    writer.add_documents("validation", [np.arange(1, 5, dtype=np.uint32)])
+    with pytest.raises(ValueError, match="format None"):
+        open_flat_tokens(writer.tmp)
+    assert not os.path.exists(tmp_path / "killed.zarr")
+
+
+def test_empty_input_is_one_error(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    assert "hold no documents" in run_error([str(tmp_path / "empty.txt"), "--output", str(tmp_path / "out.zarr")], capsys)
+    assert not os.path.exists(tmp_path / "out.zarr")
+
+
+def test_tokenizer_with_ids_beyond_2_31_is_one_error(tmp_path, capsys):
+    big = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
+           "post_processor": None, "decoder": None, "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1, "b": 2**31 - 1}, "unk_token": "[UNK]"}}
+    (tmp_path / "big.json").write_text(json.dumps(big))
+    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--tokenizer", str(tmp_path / "big.json")]
+    assert "has token id 2147483647" in run_error(args, capsys)
+
+
+def test_vocab_smaller_than_the_data_stops_training(tmp_path):
+    out = str(tmp_path / "text.zarr")
+    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--validation-documents", "2"])
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run([sys.executable, "-m", "train", "--config-name=local_test_text", "+paths.model_name=vocab", f"paths.root_working_dir={tmp_path}",
+                             f"dataset.path={out}", "model.vocab=256"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "model.vocab=256 is too small for the dataset's max_token_id 257" in result.stderr.strip().splitlines()[-1]
