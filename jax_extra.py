@@ -36,7 +36,7 @@ def config_from_dict(cls, values, where: str = ""):
     """Builds the frozen dataclass `cls` from nested dicts; every field is required and every
     key must be a field (a typo is an error, not silently ignored)."""
     if not isinstance(values, dict):
-        raise ConfigError(f"config key {where or '<root>'} must be a mapping, got {values!r}")
+        raise ConfigError(f"config key {where.rstrip('.') or '<root>'} must be a mapping, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(fields))

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+
+import train
 from model_fixtures import make_mesh, random_batch, tiny_config
 from reference import loss as reference_loss
 from reference import weights_to_dicts
-
-import train
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]

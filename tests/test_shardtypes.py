@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from model_fixtures import make_mesh
 
+from model_fixtures import make_mesh
 from shardlib.shardtypes import (
     Array,
     ShapeError,
