@@ -28,6 +28,7 @@ from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
 import training_io
+from checkpoint import CheckpointConfig, Checkpointer, PreemptionWatch
 from data_loader import DatasetConfig, make_loader
 from flat_tokens import DatasetError, open_flat_tokens
 from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
@@ -91,7 +92,8 @@ class Config:
     mesh: MeshConfig
     paths: PathsConfig
     dataset: DatasetConfig
-    checkpoint_interval: int
+    checkpoint_interval: int  # steps between checkpoints (0: only at the last step and on SIGTERM)
+    checkpoints: CheckpointConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,17 +378,34 @@ def train(h: Config, resolved_yaml: str):
     mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     loader = make_loader(h.dataset, dataset, "train", h.training.tokens.batch, h.training.tokens.len, mesh)
     run_dir = os.path.join(h.paths.root_working_dir, h.paths.model_name)
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), h.checkpoints)
+    # Checkpoint N holds the state after N steps, so resuming from it runs step N next. A
+    # checkpoint that does not fit the config stops the run here, before anything is written.
+    restored = checkpointer.restore(jax.eval_shape(lambda: init_state(h, mesh)), make_shardings(State, mesh))
     log = training_io.RunLog(run_dir, resolved_yaml, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
-    with jax.set_mesh(mesh):
-        state = init_state(h, mesh)
+    with jax.set_mesh(mesh), PreemptionWatch() as preemption:
+        start, state = restored or (0, init_state(h, mesh))
         pending = None  # log step s after dispatching step s+1, so logging never stalls the device
-        for step in range(h.training.steps):
-            batch = loader.batch(step)
-            state, metrics = training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start, h)
+        try:
+            for step in range(start, h.training.steps):
+                batch = loader.batch(step)
+                state, metrics = training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start, h)
+                if pending is not None:
+                    log.step(*pending)
+                pending = (step, metrics)
+                checkpointer.check()  # a failed background write stops training here
+                preempted, done = preemption.reached(step), step + 1
+                if preempted or done == h.training.steps or (h.checkpoint_interval > 0 and done % h.checkpoint_interval == 0):
+                    log.step(*pending)  # every step a checkpoint holds is logged before it commits
+                    pending = None
+                    checkpointer.save(done, state)  # returns after the device-to-host copy
+                if preempted:
+                    print(f"seqax: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
+                    break
             if pending is not None:
                 log.step(*pending)
-            pending = (step, metrics)
-        log.step(*pending)
+        finally:
+            checkpointer.close()  # waits for the write in flight
     log.close()
     return state
 

@@ -1,0 +1,87 @@
+"""Step time of the training loop with a checkpoint saved every step, against no saving.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.checkpoint_async \\
+        [--steps 20] [--rounds 2] [--compression none] [key=value ...]
+
+The loop is train.py's: dispatch step s, then read the metrics of step s-1; when a checkpoint
+is due, log step s and `save(s + 1, state)`, which returns after the device-to-host copy while
+the files are written in the background. Batches are random tokens. Rounds alternate the two
+modes so that a change in the machine's load hits both; the figures are medians.
+"""
+
+import argparse
+import shutil
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import train
+from bench.throughput import load
+from checkpoint import CheckpointConfig, Checkpointer
+
+
+def step_times(h: train.Config, mesh, steps: int, directory: str | None, cfg: CheckpointConfig) -> tuple[list[float], list[float]]:
+    """Wall time of each loop iteration after the first three, and of each save() call."""
+    rng = np.random.default_rng(0)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    B, L = h.training.tokens.batch, h.training.tokens.len
+    targets = jax.device_put(rng.integers(1, h.model.vocab, (B, L)).astype(np.uint32), sharding)
+    starts = jax.device_put(rng.random((B, L)) < 0.02, sharding)
+    mask = jax.device_put(np.ones((B, L), bool), sharding)
+    checkpointer = Checkpointer(directory, cfg) if directory else None
+    times, saves = [], []
+    with jax.set_mesh(mesh):
+        state = train.init_state(h, mesh)
+        pending, last = None, time.perf_counter()
+        for step in range(3 + steps):
+            state, metrics = train.training_step(state, jnp.uint32(step), targets, starts, mask, h)
+            if pending is not None:
+                jax.device_get(pending)  # what RunLog.step waits for
+            pending = metrics
+            if checkpointer:
+                checkpointer.check()
+                jax.device_get(pending)
+                pending = None
+                start = time.perf_counter()
+                checkpointer.save(step + 1, state)
+                saves.append(time.perf_counter() - start)
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        jax.block_until_ready(state)
+    if checkpointer:
+        checkpointer.close()
+        shutil.rmtree(directory)
+    return times[3:], saves[3:]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="local_test_synthetic")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--compression", default="none")
+    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept: each save past the first `keep` deletes one")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. model.d_model=512")
+    args = parser.parse_args(argv)
+    h = load(args.config, args.overrides)
+    mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(h, mesh))))
+    cfg = CheckpointConfig(keep=args.keep, compression=args.compression, level=3, threads=8)
+    plain, saving, saves = [], [], []
+    for _ in range(args.rounds):
+        plain += step_times(h, mesh, args.steps, None, cfg)[0]
+        times, calls = step_times(h, mesh, args.steps, tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir), cfg)
+        saving, saves = saving + times, saves + calls
+    print(f"config {args.config} {' '.join(args.overrides)}: state {state_bytes / 1e6:.1f} MB, mesh d={h.mesh.d} t={h.mesh.t}, {cfg}")
+    print(f"step time, no checkpoints:      median {np.median(plain) * 1000:.0f} ms ({len(plain)} steps)")
+    print(f"step time, a checkpoint a step: median {np.median(saving) * 1000:.0f} ms ({len(saving)} steps); "
+          f"save() itself blocked a median {np.median(saves) * 1000:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()

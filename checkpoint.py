@@ -1,0 +1,474 @@
+"""Checkpoints of any pytree of sharded jax.Arrays as zarr v3 groups (docs/checkpoint-format.md).
+
+    checkpointer = Checkpointer(run_dir + "/checkpoints", cfg)
+    restored = checkpointer.restore(shapes, shardings)   # (step, tree) or None
+    checkpointer.save(step, tree)   # returns after the device-to-host copy; writes in background
+    checkpointer.close()            # waits for the write in flight
+
+One array per leaf, named by its key path; one chunk per shard of the saving mesh, each ending in
+a CRC32C checksum. Every process writes the shards it owns (replica 0) from a pool of threads;
+process 0 commits by setting `write_completed` once every process has finished, and only
+committed checkpoints are read. A restore reads, for each device, exactly the region that
+device holds on the new mesh, so any mesh and any number of processes can read a checkpoint.
+"""
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+
+import google_crc32c
+import jax
+import jax.numpy as jnp
+import numpy as np
+import zarr
+from jax.experimental import multihost_utils
+
+from jax_extra import ConfigError
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^\d{10}$")
+MARKER_TIMEOUT_S = 1800.0  # how long process 0 waits for the other processes' writes
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoints:` section of the training config (the interval is `checkpoint_interval`)."""
+
+    keep: int  # newest complete checkpoints kept; older ones are deleted (0 keeps all)
+    compression: str  # none, zstd or blosc
+    level: int  # compression level: zstd 1..22, blosc 0..9 (ignored for none)
+    threads: int  # chunks read or written in parallel by each process
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint does not fit the state (array names, shapes, dtypes) or none is readable."""
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint whose data fails its checksums or lacks chunks."""
+
+
+def leaf_names(tree) -> list[str]:
+    """Array names of the leaves, in flattening order: key paths joined with '.'."""
+    names = [jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    for name in names:
+        if not name or "/" in name or name.startswith("__") or set(name) == {"."}:
+            raise CheckpointError(f"pytree leaf with key path {name!r} cannot name a zarr array; use attribute, dict or sequence keys without '/'")
+    return names
+
+
+def stored_dtype(dtype) -> np.dtype:
+    """zarr lacks bfloat16 and the float8 types: they are stored as unsigned ints of equal size."""
+    dtype = np.dtype(dtype)
+    return np.dtype(f"<u{dtype.itemsize}") if dtype.kind == "V" else dtype
+
+
+def _region(index: tuple, shape: tuple) -> tuple:
+    """A device's index (a tuple of slices) as ((start, stop), ...) over every dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _slices(region: tuple) -> tuple:
+    return tuple(slice(a, b) for a, b in region)
+
+
+def _is_raw(array: zarr.Array) -> bool:
+    """True for the uncompressed little-endian layout: chunk bytes then their CRC32C."""
+    codecs = [c.to_dict() for c in array.metadata.codecs]
+    return [c["name"] for c in codecs] == ["bytes", "crc32c"] and codecs[0].get("configuration", {}).get("endian", "little") == "little"
+
+
+def _chunk_path(array_dir: str, array: zarr.Array, coords: tuple) -> str:
+    return os.path.join(array_dir, *array.metadata.encode_chunk_key(coords).split("/"))
+
+
+def _chunk_coords(array: zarr.Array, region: tuple) -> list[tuple]:
+    """Coordinates of every chunk that overlaps `region`."""
+    return list(itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(region, array.chunks))))
+
+
+def _write_raw_chunk(path: str, data: np.ndarray):
+    """Writes what zarr writes for the codecs [bytes, crc32c], without its extra copies."""
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(flat)
+        f.write(np.uint32(google_crc32c.value(flat)).tobytes())
+
+
+def _empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """np.empty aligned to 64 bytes, which a CPU device adopts without a copy."""
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffer = np.empty(nbytes + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    return buffer[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _read_raw_chunk(path: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    out = _empty(shape, dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != flat.nbytes + 4:
+            raise CorruptCheckpoint(f"chunk {path} has {size} bytes, expected {flat.nbytes + 4}")
+        f.readinto(flat)
+        stored = f.read(4)
+    if np.uint32(google_crc32c.value(flat)).tobytes() != stored:
+        raise CorruptCheckpoint(f"chunk {path} fails its CRC32C checksum")
+    return out
+
+
+def _read_chunk(array_dir: str, array: zarr.Array, coords: tuple) -> np.ndarray:
+    """One whole chunk, checked against its CRC32C; a missing chunk is an error, not zeros."""
+    path = _chunk_path(array_dir, array, coords)
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(f"chunk {path} is missing")
+    region = tuple((c * n, min((c + 1) * n, size)) for c, n, size in zip(coords, array.chunks, array.shape))
+    if _is_raw(array) and all(b - a == n for (a, b), n in zip(region, array.chunks)):
+        return _read_raw_chunk(path, array.chunks, np.dtype(array.dtype))
+    return np.asarray(array[_slices(region)])
+
+
+def _assemble(region: tuple, chunk_shape: tuple, chunks: dict[tuple, np.ndarray]) -> np.ndarray:
+    """The block `region` of an array from `chunks` (coords -> data), which cover it."""
+    starts = {coords: tuple(c * n for c, n in zip(coords, chunk_shape)) for coords in chunks}
+    if len(chunks) == 1:
+        [(coords, data)] = chunks.items()
+        if all((a, b) == (s, s + n) for (a, b), s, n in zip(region, starts[coords], data.shape)):
+            return data  # the device holds exactly one saved shard: no copy
+    out = _empty(tuple(b - a for a, b in region), next(iter(chunks.values())).dtype)
+    for coords, data in chunks.items():
+        bounds = [(max(a, s), min(b, s + n), a, s) for (a, b), s, n in zip(region, starts[coords], data.shape)]
+        out[tuple(slice(lo - a, hi - a) for lo, hi, a, _ in bounds)] = data[tuple(slice(lo - s, hi - s) for lo, hi, _, s in bounds)]
+    return out
+
+
+def _processes_agree(ok: bool) -> bool:
+    """True when `ok` holds on every process."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+
+
+def _barrier(name: str):
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def _touch(path: str):
+    with open(path, "w"):
+        pass
+
+
+@dataclasses.dataclass
+class _HostLeaf:
+    name: str
+    shape: tuple
+    dtype: np.dtype  # the leaf's dtype; the stored one is stored_dtype(dtype)
+    chunks: tuple
+    shards: list  # [(region, np.ndarray of the stored dtype)] owned by this process
+
+
+class Checkpointer:
+    def __init__(self, directory: str, cfg: CheckpointConfig):
+        if cfg.compression not in ("none", "zstd", "blosc"):
+            raise ConfigError(f"checkpoints.compression={cfg.compression!r} is not one of none, zstd, blosc")
+        if cfg.keep < 0 or cfg.threads < 1:
+            raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) and checkpoints.threads={cfg.threads} >= 1")
+        self.directory, self.cfg = directory, cfg
+        self.process = jax.process_index()
+        token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
+        if jax.process_count() > 1:  # every process names this run's markers alike
+            token = multihost_utils.broadcast_one_to_all(token)
+        self.token = bytes(np.asarray(token, np.uint8)).hex()
+        self._io = ThreadPoolExecutor(cfg.threads, thread_name_prefix="checkpoint-io")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
+        self._in_flight: Future | None = None
+        self._metadata: dict[tuple, bytes] = {}  # an array's zarr.json, by (name, shape, dtype, chunks)
+
+    # ---- what is on disk ----
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, f"{step:010d}")
+
+    def _attributes(self, step: int) -> dict | None:
+        try:
+            with open(os.path.join(self.step_dir(step), "zarr.json")) as f:
+                return json.load(f)["attributes"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _steps_on_disk(self) -> list[int]:
+        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+        return sorted(int(n) for n in names if STEP_DIR.match(n))
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the committed checkpoints, oldest first."""
+        return [s for s in self._steps_on_disk() if (self._attributes(s) or {}).get("write_completed") is True]
+
+    def latest_step(self) -> int | None:
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
+
+    def _delete(self, steps: list[int]):
+        """Renames (atomically) then removes, so a half-deleted checkpoint is never read."""
+        for step in steps:
+            trash = os.path.join(self.directory, f".deleted.{step:010d}.{uuid.uuid4().hex}")
+            os.rename(self.step_dir(step), trash)
+        for name in os.listdir(self.directory):
+            if name.startswith(".deleted."):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # ---- saving ----
+
+    def save(self, step: int, tree):
+        """Copies this process's shards to host memory, then writes them in the background.
+        Waits first for the previous save (raising its error, if any)."""
+        self.wait()
+        self._in_flight = self._saver.submit(self._write, step, self._copy_to_host(tree))
+
+    def _copy_to_host(self, tree) -> list[_HostLeaf]:
+        leaves = jax.tree.leaves(tree)
+        owned = [[s for s in x.addressable_shards if s.replica_id == 0] for x in leaves]
+        for shards in owned:
+            for s in shards:
+                s.data.copy_to_host_async()
+
+        def host_copy(shard, dtype):  # a copy we own: the state's buffers are donated next step
+            return np.array(shard.data, copy=True).view(stored_dtype(dtype))
+
+        copies = [[self._io.submit(host_copy, s, x.dtype) for s in shards] for x, shards in zip(leaves, owned)]
+        return [
+            _HostLeaf(name, x.shape, np.dtype(x.dtype), x.sharding.shard_shape(x.shape), [(_region(s.index, x.shape), c.result()) for s, c in zip(shards, cs)])
+            for name, x, shards, cs in zip(leaf_names(tree), leaves, owned, copies)
+        ]
+
+    def _compressors(self) -> list:
+        crc = zarr.codecs.Crc32cCodec()
+        if self.cfg.compression == "zstd":
+            return [zarr.codecs.ZstdCodec(level=self.cfg.level), crc]
+        if self.cfg.compression == "blosc":
+            return [zarr.codecs.BloscCodec(cname="lz4", clevel=self.cfg.level, shuffle="shuffle"), crc]
+        return [crc]
+
+    def _create(self, path: str, step: int, leaves: list[_HostLeaf]):
+        """Process 0: the group (not yet committed) and every array's metadata. zarr writes an
+        array's zarr.json once; later checkpoints of the same array reuse those bytes, which
+        saves the most CPU time of a small checkpoint."""
+        if os.path.exists(path):
+            raise FileExistsError(f"checkpoint {path} already exists; restore() removes uncommitted ones before saving")
+        os.makedirs(self.directory, exist_ok=True)
+        attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves], "write_completed": False}
+        group = zarr.create_group(store=path, attributes=attributes)
+        for leaf in leaves:
+            key = (leaf.name, leaf.shape, leaf.dtype.name, leaf.chunks)
+            metadata = os.path.join(path, leaf.name, "zarr.json")
+            if key in self._metadata:
+                os.makedirs(os.path.dirname(metadata))
+                with open(metadata, "wb") as f:
+                    f.write(self._metadata[key])
+                continue
+            group.create_array(
+                leaf.name,
+                shape=leaf.shape,
+                dtype=stored_dtype(leaf.dtype),
+                chunks=leaf.chunks,
+                compressors=self._compressors(),
+                fill_value=0,
+                chunk_key_encoding={"name": "default", "separator": "/"},  # chunk (i, j) in c/i/j
+                attributes={"dtype": leaf.dtype.name},
+                config={"write_empty_chunks": True},
+            )
+            with open(metadata, "rb") as f:
+                self._metadata[key] = f.read()
+
+    def _write(self, step: int, leaves: list[_HostLeaf]):
+        """Every process: its chunks, then its `.written` marker. Process 0 first creates the
+        metadata (then `.ready`) and last commits; the others return once it has committed.
+        A process that fails leaves `.failed`, so that the others stop waiting."""
+        path, markers = self.step_dir(step), os.path.join(self.step_dir(step), f".{{}}.{self.token}")
+        written = [markers.format(f"written.{p}") for p in range(jax.process_count())]
+        try:
+            if self.process == 0:
+                self._create(path, step, leaves)
+                _touch(markers.format("ready"))
+            else:
+                self._wait(lambda: os.path.exists(markers.format("ready")), step, f"process 0 to create checkpoint {path}")
+            jobs = []
+            for leaf in leaves:
+                array = zarr.open_array(os.path.join(path, leaf.name), mode="r+") if self.cfg.compression != "none" else None
+                for region, data in leaf.shards:
+                    if array is None:  # uncommitted files need no atomic writes: the commit is the marker
+                        coords = [str(a // c) for (a, _), c in zip(region, leaf.chunks)]
+                        jobs.append(self._io.submit(_write_raw_chunk, os.path.join(path, leaf.name, "c", *coords), data))
+                    else:
+                        jobs.append(self._io.submit(array.__setitem__, _slices(region), data))
+            for job in jobs:
+                job.result()
+            _touch(written[self.process])
+            if self.process == 0:
+                self._wait(lambda: all(os.path.exists(w) for w in written), step, f"every process to write checkpoint {path}")
+                zarr.open_group(path, mode="r+").attrs.update({"write_completed": True})  # the commit
+                for marker in [markers.format("ready"), *written]:
+                    os.remove(marker)
+                if self.cfg.keep:
+                    self._delete(self.complete_steps()[: -self.cfg.keep])
+            else:
+                self._wait(lambda: (self._attributes(step) or {}).get("write_completed") is True, step, f"process 0 to commit checkpoint {path}")
+        except BaseException:
+            if os.path.isdir(path):
+                _touch(markers.format("failed"))
+            raise
+
+    def _wait(self, condition, step: int, what: str):
+        failed = os.path.join(self.step_dir(step), f".failed.{self.token}")
+        deadline, delay = time.monotonic() + MARKER_TIMEOUT_S, 0.001
+        while not condition():
+            if os.path.exists(failed):
+                raise RuntimeError(f"another process failed to write checkpoint {self.step_dir(step)} (see its log)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {MARKER_TIMEOUT_S:.0f} s for {what}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def check(self):
+        """Raises here, in the training loop, the error of a background write that failed."""
+        if self._in_flight is not None and self._in_flight.done():
+            self.wait()
+
+    def wait(self):
+        """Blocks until the save in flight is committed; raises its error if it failed."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            try:
+                future.result()
+            except Exception as e:
+                raise RuntimeError(f"writing a checkpoint in {self.directory} failed: {e!r}") from e
+
+    def close(self):
+        try:
+            self.wait()
+        finally:
+            self._saver.shutdown()
+            self._io.shutdown()
+
+    # ---- restoring ----
+
+    def restore(self, shapes, shardings):
+        """Loads the newest readable committed checkpoint as a tree like `shapes` (leaves with
+        .shape and .dtype) placed with `shardings` (a tree of jax.sharding.Sharding), and
+        removes every checkpoint newer than it (uncommitted or damaged) so that they are
+        rewritten. Returns (step, tree), or None if there is no committed checkpoint. A damaged
+        checkpoint is skipped with a warning; a mismatch of names, shapes or dtypes raises."""
+        names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
+        targets, placements = jax.tree.leaves(shapes), treedef.flatten_up_to(shardings)
+        complete = self.complete_steps()
+        for step in reversed(complete):
+            try:
+                leaves, problem = self._read(step, names, targets, placements), None
+            except CorruptCheckpoint as e:
+                leaves, problem = None, str(e)
+            if _processes_agree(problem is None):
+                self._discard_newer_than(step)
+                return step, jax.tree.unflatten(treedef, leaves)
+            warnings.warn(f"checkpoint {self.step_dir(step)} is damaged ({problem or 'on another process'}); falling back to the previous one "
+                          f"(it is kept as {self.directory}/.damaged.{step:010d}.*)", stacklevel=2)
+        if complete:
+            raise CheckpointError(f"every committed checkpoint in {self.directory} is damaged; move them away to start again from step 0")
+        self._discard_newer_than(-1)
+        return None
+
+    def _discard_newer_than(self, step: int):
+        """Frees the steps after `step` for the resumed run: damaged checkpoints are renamed
+        aside (for inspection), uncommitted ones deleted."""
+        if self.process == 0 and os.path.isdir(self.directory):
+            newer, complete = [s for s in self._steps_on_disk() if s > step], set(self.complete_steps())
+            for s in newer:
+                if s in complete:
+                    os.rename(self.step_dir(s), os.path.join(self.directory, f".damaged.{s:010d}.{uuid.uuid4().hex}"))
+            self._delete([s for s in newer if s not in complete])
+        _barrier(f"seqax_checkpoint_discard_{step}")
+
+    def _read(self, step: int, names: list[str], targets: list, shardings: list) -> list[jax.Array]:
+        path = self.step_dir(step)
+        attributes = self._attributes(step)
+        if attributes.get("format_version") != FORMAT_VERSION or attributes.get("step") != step:
+            raise CheckpointError(f"checkpoint {path} has format_version {attributes.get('format_version')!r} and step {attributes.get('step')!r}; "
+                                  f"this program reads format_version {FORMAT_VERSION} only")
+        stored = attributes.get("arrays", [])
+        missing, extra = sorted(set(names) - set(stored)), sorted(set(stored) - set(names))
+        if missing or extra:
+            raise CheckpointError(f"checkpoint {path} does not hold this state: arrays missing {missing}, unexpected {extra}; "
+                                  "restore with the model it was written with or use a new paths.model_name")
+        arrays = {}
+        for name, target in zip(names, targets):
+            try:
+                array = zarr.open_array(os.path.join(path, name), mode="r")
+                dtype = jnp.dtype(array.attrs["dtype"])
+            except Exception as e:  # zarr raises several types for damaged metadata
+                raise CorruptCheckpoint(f"array {name}: {e!r}") from e
+            if tuple(array.shape) != tuple(target.shape) or dtype != target.dtype:
+                raise CheckpointError(f"checkpoint {path}: array {name} is {dtype.name}{list(array.shape)} but the state expects "
+                                      f"{jnp.dtype(target.dtype).name}{list(target.shape)}; use the model config it was written with or a new paths.model_name")
+            arrays[name] = array
+        # Each chunk that overlaps a region held here is read once, even if several devices need it.
+        regions = {name: {_region(i, t.shape) for i in s.addressable_devices_indices_map(t.shape).values()} for name, t, s in zip(names, targets, shardings)}
+        reads = {(name, c): None for name in names for region in regions[name] for c in _chunk_coords(arrays[name], region)}
+        reads = {(name, c): self._io.submit(_read_chunk, os.path.join(path, name), arrays[name], c) for name, c in reads}
+        chunks = {}
+        for (name, coords), job in reads.items():
+            try:
+                chunks[name, coords] = job.result()
+            except Exception as e:
+                raise CorruptCheckpoint(f"array {name}, chunk {coords}: {e}") from e
+        def assemble(name, region):
+            covering = {c: chunks[name, c] for c in _chunk_coords(arrays[name], region)}
+            return _assemble(region, arrays[name].chunks, covering).view(jnp.dtype(arrays[name].attrs["dtype"]))
+
+        data = {(name, r): self._io.submit(assemble, name, r) for name in names for r in regions[name]}
+        data = {key: job.result() for key, job in data.items()}
+        handed_out = set()
+
+        def block(name, shape, index):  # a CPU device may adopt the buffer: each device gets its own
+            key = (name, _region(index, shape))
+            fresh = key not in handed_out
+            handed_out.add(key)
+            return data[key] if fresh else data[key].copy()
+
+        return [jax.make_array_from_callback(t.shape, sharding, partial(block, name, t.shape)) for name, t, sharding in zip(names, targets, shardings)]
+
+
+class PreemptionWatch:
+    """SIGTERM, the usual preemption notice, asks the loop to checkpoint and exit. With one
+    process a handler sets a flag; with several, JAX's preemption service (which catches
+    SIGTERM itself) picks a step at which every process answers True."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = None
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def _on_sigterm(self, signum, frame):
+        self.requested = True  # only a flag: the loop may be anywhere, even inside a print
+
+    def reached(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)

@@ -1,0 +1,361 @@
+"""checkpoint.py: bitwise round trips (bf16 too) on any mesh and process count, damaged and
+uncommitted checkpoints, asynchronous saving, and real training runs killed and resumed."""
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import zarr
+from checkpoint_process import is_spec_pair, put, sample_values
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import checkpoint
+import train
+from checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from model_fixtures import TINY, make_mesh, random_batch, tiny_config
+from shardlib.shardtypes import make_shardings
+from tools.write_synthetic_dataset import main as write_synthetic_dataset
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config(**changes) -> CheckpointConfig:
+    return CheckpointConfig(**{"keep": 0, "compression": "none", "level": 3, "threads": 4, **changes})
+
+
+def targets_on(values: dict, mesh):
+    """(shapes, shardings) of `values` (as made by sample_values) placed on `mesh`."""
+    shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v[0]), v[0].dtype), values, is_leaf=is_spec_pair)
+    return shapes, jax.tree.map(lambda v: NamedSharding(mesh, v[1]), values, is_leaf=is_spec_pair)
+
+
+def host_bytes(tree) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def value_bytes(values: dict) -> list[bytes]:
+    return [np.asarray(v[0]).tobytes() for v in jax.tree.leaves(values, is_leaf=is_spec_pair)]
+
+
+def saved(directory, values, steps=(1,), **changes) -> Checkpointer:
+    """A checkpointer that has committed `values` (on a 4x2 mesh) at each of `steps`."""
+    checkpointer = Checkpointer(str(directory), config(**changes))
+    tree = put(values, make_mesh(4, 2))
+    for step in steps:
+        checkpointer.save(step, tree)
+    checkpointer.wait()
+    return checkpointer
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips and the format.
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd", "blosc"])
+def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression):
+    values = sample_values()
+    checkpointer = saved(tmp_path, values, steps=[3], compression=compression)
+    for d, t in [(4, 2), (2, 4), (1, 1)]:
+        step, tree = checkpointer.restore(*targets_on(values, make_mesh(d, t)))
+        assert step == 3 and host_bytes(tree) == value_bytes(values), (d, t)
+        assert tree["weights"]["b"].dtype == jnp.bfloat16 and tree["weights"]["b"].sharding.mesh.shape == {"d": d, "t": t}
+    checkpointer.close()
+    # What any zarr reader sees: bf16 as uint16 plus its name, one chunk per shard of the 4x2 mesh.
+    group = zarr.open_group(str(tmp_path / "0000000003"), mode="r")
+    assert {k: group.attrs[k] for k in ("step", "format_version", "write_completed")} == {"step": 3, "format_version": 1, "write_completed": True}
+    b = group["weights.b"]
+    assert b.dtype == np.uint16 and b.attrs["dtype"] == "bfloat16" and b.chunks == (8, 4)
+    assert b[:].tobytes() == values["weights"]["b"][0].tobytes()
+    assert group["layers.0"].chunks == (2, 8, 2) and group["weights.w"].chunks == (2, 2) and group["count"][()] == 7
+
+
+def random_state(h, mesh) -> train.State:
+    """A state with every leaf drawn at random (Adam's second moment positive), on `mesh`."""
+    rng = np.random.default_rng(0)
+    shapes, shardings = jax.eval_shape(lambda: train.init_state(h, mesh)), make_shardings(train.State, mesh)
+
+    def draw(positive):
+        return lambda s, sharding: jax.device_put(((np.abs if positive else np.asarray)(0.05 * rng.standard_normal(s.shape))).astype(np.float32), sharding)
+
+    return train.State(*(jax.tree.map(draw(part == "adam_nu"), getattr(shapes, part), getattr(shardings, part)) for part in ("weights", "adam_mu", "adam_nu")))
+
+
+def test_restore_on_other_meshes_continues_training(tmp_path):
+    """Save a state on 4x2; restore on 8x1, 2x4 and 1x1: the same bits and the same next loss."""
+    h = tiny_config()
+    host_batch = random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
+
+    def next_loss(state, mesh):
+        batch = [jax.device_put(x, NamedSharding(mesh, P("d", None))) for x in host_batch]
+        with jax.set_mesh(mesh):
+            return float(train.training_step(state, jnp.uint32(7), *batch, h)[1].loss)
+
+    mesh = make_mesh(4, 2)
+    state = random_state(h, mesh)
+    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer.save(7, state)
+    checkpointer.wait()
+    expected_bytes, expected_loss = host_bytes(state), next_loss(state, mesh)
+    for d, t in [(8, 1), (2, 4), (1, 1)]:
+        mesh = make_mesh(d, t)
+        step, restored = checkpointer.restore(jax.eval_shape(lambda m=mesh: train.init_state(h, m)), make_shardings(train.State, mesh))
+        assert step == 7 and host_bytes(restored) == expected_bytes, (d, t)
+        loss = next_loss(restored, mesh)
+        assert abs(loss - expected_loss) <= 1e-4 * abs(expected_loss), (d, t, loss, expected_loss)
+    checkpointer.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_save_and_restore(tmp_path):
+    """Two processes of 4 devices save (each writing its own shards) and restore on 2x4; this
+    process then restores the same checkpoint on 8 devices and on 1."""
+    port, script = free_port(), os.path.join(os.path.dirname(__file__), "checkpoint_process.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, script, str(port), "2", str(i), str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for i in range(2)]
+    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    values = sample_values()
+    checkpointer = Checkpointer(str(tmp_path), config())
+    for d, t in [(8, 1), (1, 1)]:
+        step, tree = checkpointer.restore(*targets_on(values, make_mesh(d, t)))
+        assert step == 3 and host_bytes(tree) == value_bytes(values)
+    checkpointer.close()
+    assert [n for n in os.listdir(tmp_path / "0000000003") if n.startswith(".")] == []  # the commit markers are gone
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged, uncommitted and mismatched checkpoints.
+
+
+def garble(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def truncate(path):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize("compression,damage", [("none", garble), ("none", truncate), ("none", os.remove), ("zstd", garble), ("zstd", truncate)])
+def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, compression, damage):
+    values = sample_values()
+    checkpointer = saved(tmp_path, values, steps=[1, 2], compression=compression)
+    damage(str(tmp_path / "0000000002" / "weights.w" / "c" / "1" / "1"))
+    with pytest.warns(UserWarning, match="0000000002 is damaged"):
+        step, tree = checkpointer.restore(*targets_on(values, make_mesh(8, 1)))
+    assert step == 1 and host_bytes(tree) == value_bytes(values)
+    assert checkpointer.complete_steps() == [1]  # the damaged one is moved aside, to be written again
+    assert [n.split(".")[:3] for n in os.listdir(tmp_path) if n.startswith(".")] == [["", "damaged", "0000000002"]]
+    checkpointer.save(2, tree)
+    checkpointer.close()
+    assert checkpointer.complete_steps() == [1, 2]
+
+
+def test_every_checkpoint_damaged_is_an_error(tmp_path):
+    values = sample_values()
+    checkpointer = saved(tmp_path, values, steps=[1])
+    garble(str(tmp_path / "0000000001" / "norm" / "c" / "0"))
+    with pytest.warns(UserWarning, match="0000000001 is damaged"), pytest.raises(CheckpointError, match="every committed checkpoint"):
+        checkpointer.restore(*targets_on(values, make_mesh(4, 2)))
+    checkpointer.close()
+
+
+def test_uncommitted_checkpoint_is_skipped_and_later_overwritten(tmp_path):
+    values = sample_values()
+    checkpointer = saved(tmp_path, values, steps=[1, 2])
+    meta_path = tmp_path / "0000000002" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["attributes"]["write_completed"] = False  # as if killed before the commit
+    meta_path.write_text(json.dumps(meta))
+    os.remove(tmp_path / "0000000002" / "weights.w" / "c" / "0" / "0")
+    assert checkpointer.latest_step() == 1
+    step, tree = checkpointer.restore(*targets_on(values, make_mesh(4, 2)))
+    assert step == 1 and not (tmp_path / "0000000002").exists()
+    changed = jax.tree.map(lambda x: x + 1 if x.dtype != jnp.uint32 else x, tree)
+    checkpointer.save(2, changed)
+    checkpointer.wait()
+    step, tree = checkpointer.restore(*targets_on(values, make_mesh(4, 2)))
+    checkpointer.close()
+    assert step == 2 and host_bytes(tree) == host_bytes(changed)
+
+
+def test_mismatched_state_names_the_array_and_both_shapes(tmp_path):
+    values = sample_values()
+    checkpointer = saved(tmp_path, values)
+    shapes, shardings = targets_on(values, make_mesh(4, 2))
+    wider = {**shapes, "weights": {**shapes["weights"], "w": jax.ShapeDtypeStruct((8, 8), np.float32)}}
+    with pytest.raises(CheckpointError, match=r"weights\.w is float32\[8, 4\] but the state expects float32\[8, 8\]"):
+        checkpointer.restore(wider, shardings)
+    as_f32 = {**shapes, "weights": {**shapes["weights"], "b": jax.ShapeDtypeStruct((8, 8), np.float32)}}
+    with pytest.raises(CheckpointError, match=r"weights\.b is bfloat16\[8, 8\] but the state expects float32\[8, 8\]"):
+        checkpointer.restore(as_f32, shardings)
+    with pytest.raises(CheckpointError, match=r"missing \['extra'\]"):
+        checkpointer.restore({**shapes, "extra": shapes["norm"]}, {**shardings, "extra": shardings["norm"]})
+    checkpointer.close()
+    assert checkpointer.complete_steps() == [1]  # a mismatch deletes nothing
+
+
+def test_keeps_the_newest_complete_checkpoints(tmp_path):
+    checkpointer = saved(tmp_path, sample_values(), steps=[1, 2, 3, 4], keep=2)
+    checkpointer.close()
+    assert sorted(os.listdir(tmp_path)) == ["0000000003", "0000000004"]
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(checkpoint.ConfigError, match="compression='lz4'"):
+        Checkpointer("unused", config(compression="lz4"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Asynchronous saving.
+
+
+def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
+    release, write = threading.Event(), checkpoint._write_raw_chunk
+    monkeypatch.setattr(checkpoint, "_write_raw_chunk", lambda *args: (release.wait(30), write(*args)))
+    values = sample_values()
+    tree = put(values, make_mesh(4, 2))
+    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer.save(5, tree)
+    assert checkpointer.latest_step() is None  # the files are still being written
+    jax.jit(lambda t: jax.tree.map(lambda x: x * 0, t), donate_argnums=0)(tree)  # as the next step would
+    release.set()
+    checkpointer.wait()
+    step, restored = checkpointer.restore(*targets_on(values, make_mesh(4, 2)))
+    checkpointer.close()
+    assert step == 5 and host_bytes(restored) == value_bytes(values)
+
+
+def test_failed_background_write_stops_training(tmp_path, monkeypatch):
+    def fail(*args):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_raw_chunk", fail)
+    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
+    with pytest.raises(RuntimeError, match="no space left on device"):
+        for _ in range(1000):  # the loop calls check() every step
+            checkpointer.check()
+            time.sleep(0.01)
+    checkpointer.close()
+    assert checkpointer.latest_step() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Real training runs: SIGKILL at several moments, SIGTERM, and restarts.
+
+STEPS, INTERVAL = 24, 3
+
+
+def train_process(root, dataset, name, cache, *changes: str) -> subprocess.Popen:
+    changed = tuple(c.split("=")[0] + "=" for c in changes)
+    overrides = [a for a in TINY if not a.startswith(("+paths.model_name", "training.steps", *changed))]
+    command = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}",
+               f"dataset.path={dataset}", *overrides, f"training.steps={STEPS}", f"checkpoint_interval={INTERVAL}", "checkpoints.keep=0", *changes]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_COMPILATION_CACHE_DIR": str(cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def logged(run_dir) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    lines = open(path).read().splitlines() if os.path.exists(path) else []
+    return [line for line in map(json.loads, lines) if "loss" in line]
+
+
+def committed(run_dir) -> dict[int, bool]:
+    """Every checkpoint directory of the run (docs/checkpoint-format.md): step -> committed."""
+    directory, steps = os.path.join(run_dir, "checkpoints"), {}
+    for name in os.listdir(directory) if os.path.isdir(directory) else []:
+        if len(name) == 10 and name.isdigit():
+            try:
+                with open(os.path.join(directory, name, "zarr.json")) as f:
+                    steps[int(name)] = json.load(f)["attributes"]["write_completed"] is True
+            except (OSError, ValueError, KeyError):
+                steps[int(name)] = False
+    return steps
+
+
+def wait_until(condition, process, what):
+    deadline = time.monotonic() + 120
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {process.stderr.read()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_killed_and_preempted_runs_continue_with_the_same_losses(tmp_path):
+    dataset, cache = str(tmp_path / "data.zarr"), tmp_path / "jax_cache"
+    write_synthetic_dataset(["--output", dataset, "--train-tokens", "300000", "--validation-tokens", "20000"])
+    reference = train_process(tmp_path, dataset, "reference", cache)
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()
+    expected = {line["step"]: line["loss"] for line in logged(tmp_path / "reference")}
+    assert sorted(expected) == list(range(STEPS))
+
+    run_dir, rng = tmp_path / "interrupted", random.Random(0)
+    first_lines = []  # (lines before the launch, committed checkpoints at the launch)
+
+    def launch():
+        first_lines.append((len(logged(run_dir)), committed(run_dir) if run_dir.exists() else {}))
+        return train_process(tmp_path, dataset, "interrupted", cache)
+
+    # SIGKILL at a random moment while training.
+    run = launch()
+    lines = rng.randint(2, 5)
+    wait_until(lambda: len(logged(run_dir)) >= lines, run, f"{lines} steps")
+    time.sleep(rng.uniform(0, 0.05))
+    run.kill()
+    run.wait()
+    # SIGKILL while a checkpoint is being written (after the run has trained a step).
+    run = launch()
+    wait_until(lambda: len(logged(run_dir)) > first_lines[-1][0], run, "a step of the second run")
+    wait_until(lambda: not all(committed(run_dir).values()), run, "a checkpoint being written")
+    run.kill()
+    run.wait()
+    uncommitted = [s for s, done in committed(run_dir).items() if not done]
+    # SIGTERM: a checkpoint at the step it arrived, exit status 0.
+    run = launch()
+    wait_until(lambda: len(logged(run_dir)) >= first_lines[-1][0] + 2, run, "two steps of the third run")
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(timeout=120) == 0, run.stderr.read()
+    preempted_at = logged(run_dir)[-1]["step"] + 1
+    assert preempted_at < STEPS and committed(run_dir).get(preempted_at) is True
+    # The rest of the run.
+    run = launch()
+    assert run.wait(timeout=300) == 0, run.stderr.read()
+
+    lines = logged(run_dir)
+    for before, checkpoints in first_lines[1:]:  # each restart resumed from the newest committed checkpoint
+        assert lines[before]["step"] == max([s for s, done in checkpoints.items() if done], default=0)
+    assert first_lines[3][1][preempted_at] and lines[first_lines[3][0]]["step"] == preempted_at
+    assert uncommitted and all(first_lines[2][1][s] is False for s in uncommitted)  # killed mid-write, then skipped
+    assert {line["step"]: line["loss"] for line in lines} == expected  # the last line of each step, bitwise
+    assert all(committed(run_dir).values()) and set(uncommitted) <= set(committed(run_dir))  # ... and later overwritten
+
+    # A model that does not fit the checkpoints stops the run with one line, leaving the run as it was.
+    files = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "metrics.jsonl")}
+    run = train_process(tmp_path, dataset, "interrupted", cache, "model.d_ff=256")
+    assert run.wait(timeout=120) == 2
+    errors = run.stderr.read().strip().splitlines()
+    expected_error = r"^seqax: error: checkpoint .*24: array weights\.layers\.w_gate is float32\[2, 64, 128\] but the state expects float32\[2, 64, 256\]"
+    assert len(errors) == 1 and re.search(expected_error, errors[0]), errors
+    assert files == {name: (run_dir / name).read_bytes() for name in files} and all(committed(run_dir).values())
