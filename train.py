@@ -25,6 +25,7 @@ import hydra
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig, OmegaConf
 
 import training_io
@@ -237,9 +238,10 @@ def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, mask: bool_[
 
 
 @typechecked
-def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b""]:
-    """This device's share of the mean next-token cross-entropy over the global batch. Each
-    document's first token is predicted from input token 0, so every token is a target."""
+def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]) -> f32[b""]:
+    """This device's share of the mean next-token cross-entropy over the global batch's real
+    tokens (loss_mask is False on padding). Each document's first token is predicted from
+    input token 0, so every real token is a target."""
     inputs = jnp.where(is_seq_start, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
     doc_id, position = document_positions(is_seq_start)
     # Causal and within one document (no attention across packed documents).
@@ -267,8 +269,8 @@ def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: b
     target_logit = jnp.take_along_axis(logits, jnp.clip(local_target, 0, V_local - 1)[..., None], axis=-1)[..., 0]
     target_logit = psum("B/d L", jnp.where(here, target_logit, 0.0), "t")
     token_losses = max_logit + jnp.log(sum_exp) - target_logit
-    global_tokens = targets.size * lax.axis_size("d")
-    return jnp.sum(token_losses) / global_tokens
+    global_tokens = lax.psum(jnp.sum(loss_mask, dtype=jnp.float32), "d")
+    return jnp.sum(jnp.where(loss_mask, token_losses, 0.0)) / jnp.maximum(global_tokens, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,20 +319,25 @@ def optimizer_step(h: TrainingConfig, step, weights, grads, adam_mu, adam_nu, gr
 
 
 @partial(jax.jit, static_argnames=("h",), donate_argnames=("state",))
-def training_step(state: State, step, targets, is_seq_start, h: Config) -> tuple[State, Metrics]:
+def training_step(state: State, step, targets, is_seq_start, loss_mask, h: Config) -> tuple[State, Metrics]:
     weight_specs = make_partition_specs(Model)
 
     @typed_shard_map
-    def step_on_device(state: State, step: u32[b""], targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> tuple[State, Metrics]:
-        loss, grads = jax.value_and_grad(partial(model_loss, h.model))(state.weights, targets, is_seq_start)
+    def step_on_device(
+        state: State, step: u32[b""], targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]
+    ) -> tuple[State, Metrics]:
+        loss, grads = jax.value_and_grad(partial(model_loss, h.model))(state.weights, targets, is_seq_start, loss_mask)
         loss = lax.psum(loss, "d")  # outside autodiff: the gradients are already global
-        # Each gradient is sharded as its weight: sum its squares over the axes that split it.
-        squares = jax.tree.map(lambda g, spec: lax.psum(jnp.sum(g * g), spec_axes(spec)) if spec_axes(spec) else jnp.sum(g * g), grads, weight_specs)
-        grad_norm = jnp.sqrt(sum(jax.tree.leaves(squares)))
+        # Each gradient is sharded as its weight: its squares are summed over the axes that
+        # split it, with one all-reduce per distinct set of axes (not one per weight).
+        squares_by_axes: dict[tuple[str, ...], list] = {}
+        for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(weight_specs, is_leaf=lambda x: isinstance(x, P))):
+            squares_by_axes.setdefault(tuple(sorted(spec_axes(spec))), []).append(jnp.sum(g * g))
+        grad_norm = jnp.sqrt(sum(lax.psum(sum(parts), axes) if axes else sum(parts) for axes, parts in squares_by_axes.items()))
         weights, mu, nu, lr = optimizer_step(h.training, step, state.weights, grads, state.adam_mu, state.adam_nu, grad_norm)
         return State(weights, mu, nu), Metrics(loss, lr, grad_norm)
 
-    return step_on_device(state, step, targets, is_seq_start)
+    return step_on_device(state, step, targets, is_seq_start, loss_mask)
 
 
 def init_state(h: Config, mesh) -> State:
@@ -389,7 +396,7 @@ def train(h: Config, resolved_yaml: str):
         try:
             for step in range(start, h.training.steps):
                 batch = loader.batch(step)
-                state, metrics = training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start, h)
+                state, metrics = training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask, h)
                 if pending is not None:
                     log.step(*pending)
                 pending = (step, metrics)
@@ -405,6 +412,7 @@ def train(h: Config, resolved_yaml: str):
             if pending is not None:
                 log.step(*pending)
         finally:
+            loader.close()  # stops the prefetch threads
             checkpointer.close()  # waits for the write in flight
     log.close()
     return state

@@ -39,12 +39,13 @@ def time_steps(h: train.Config, steps: int, warmup: int) -> list[float]:
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
     targets = jax.device_put(rng.integers(1, h.model.vocab, (B, L)).astype(np.uint32), sharding)
     starts = jax.device_put(rng.random((B, L)) < 0.02, sharding)
+    mask = jax.device_put(np.ones((B, L), bool), sharding)
     times = []
     with jax.set_mesh(mesh):
         state = train.init_state(h, mesh)
         for step in range(warmup + steps):
             start = time.perf_counter()
-            state, metrics = train.training_step(state, jnp.uint32(step), targets, starts, h)
+            state, metrics = train.training_step(state, jnp.uint32(step), targets, starts, mask, h)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
     return times[warmup:]

@@ -35,10 +35,15 @@ def make_mesh(d: int, t: int) -> jax.sharding.Mesh:
     return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[: d * t])
 
 
-def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """Targets and document starts with several documents per row; some rows start mid-document."""
+def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Targets, document starts and loss mask with several documents per row; some rows start
+    mid-document, and some end in padding (target 0, a start of its own, masked out) as the
+    loader pads."""
     rng = np.random.default_rng(seed)
     targets = rng.integers(1, vocab, size=(batch, length)).astype(np.uint32)
     starts = rng.random((batch, length)) < 0.2
     starts[::2, 0] = True
-    return targets, starts
+    mask = np.ones((batch, length), bool)
+    mask[1::3, -3:] = False
+    targets[~mask], starts[~mask] = 0, True
+    return targets, starts, mask

@@ -31,8 +31,8 @@ def rotate(x, pos, base):
     return jnp.concatenate([a * jnp.cos(ang) - b * jnp.sin(ang), a * jnp.sin(ang) + b * jnp.cos(ang)], axis=-1)
 
 
-def sequence_loss(w, cfg, tokens, starts):
-    """Sum of next-token losses of one row. tokens: [L] int, starts: [L] bool."""
+def sequence_losses(w, cfg, tokens, starts):
+    """Next-token loss at every position of one row. tokens: [L] int, starts: [L] bool."""
     L = tokens.shape[0]
     prev = jnp.concatenate([jnp.zeros((1,), tokens.dtype), tokens[:-1]])
     inputs = jnp.where(starts, 0, prev)
@@ -65,13 +65,13 @@ def sequence_loss(w, cfg, tokens, starts):
         x = x + mm((jax.nn.silu(g) * u).astype(bf16), layer["w_down"])
     h = norm(x, w["final_norm"], cfg["norm_eps"])
     logp = jax.nn.log_softmax(mm(h, w["unembed"]), axis=-1)
-    return -jnp.sum(jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1))
+    return -jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
 
-def loss(w, cfg, targets, is_seq_start):
-    """Mean next-token cross-entropy over every token of the batch."""
-    total = sum(sequence_loss(w, cfg, targets[b], is_seq_start[b]) for b in range(targets.shape[0]))
-    return total / targets.size
+def loss(w, cfg, targets, is_seq_start, loss_mask):
+    """Mean next-token cross-entropy over the tokens where loss_mask is True."""
+    per_token = jnp.stack([sequence_losses(w, cfg, targets[b], is_seq_start[b]) for b in range(targets.shape[0])])
+    return jnp.sum(per_token * loss_mask) / np.sum(loss_mask)
 
 
 def weights_to_dicts(model, n_layers):

@@ -30,28 +30,31 @@ def perturbed_weights(h) -> train.Model:
 def problem():
     h = tiny_config()
     weights = jax.device_get(perturbed_weights(h))
-    targets, starts = random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
+    targets, starts, mask = random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
     cfg = {k: getattr(h.model, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, targets, starts)))(weights_to_dicts(weights, h.model.layers))
-    return h, weights, targets, starts, float(ref_loss), ref_grads
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, targets, starts, mask)))(weights_to_dicts(weights, h.model.layers))
+    return h, weights, (targets, starts, mask), float(ref_loss), ref_grads
 
 
-def sharded_loss_and_grads(h, mesh, weights, targets, starts):
+def put_batch(mesh, batch):
+    return jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
+
+
+def sharded_loss_and_grads(h, mesh, weights, batch):
     @typed_shard_map
-    def on_device(w: train.Model, targets: u32[b"B/d L"], starts: bool_[b"B/d L"]) -> tuple[f32[b""], train.Model]:
-        loss, grads = jax.value_and_grad(partial(train.model_loss, h.model))(w, targets, starts)
+    def on_device(w: train.Model, targets: u32[b"B/d L"], starts: bool_[b"B/d L"], mask: bool_[b"B/d L"]) -> tuple[f32[b""], train.Model]:
+        loss, grads = jax.value_and_grad(partial(train.model_loss, h.model))(w, targets, starts, mask)
         return lax.psum(loss, "d"), grads
 
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))
-        batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
-        return jax.device_get(jax.jit(on_device)(w, jax.device_put(targets, batch_sharding), jax.device_put(starts, batch_sharding)))
+        return jax.device_get(jax.jit(on_device)(w, *put_batch(mesh, batch)))
 
 
 @pytest.mark.parametrize("d,t", MESHES)
 def test_loss_and_gradients_match_reference_on_every_mesh(problem, d, t):
-    h, weights, targets, starts, ref_loss, ref_grads = problem
-    loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, targets, starts)
+    h, weights, batch, ref_loss, ref_grads = problem
+    loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, batch)
     assert abs(float(loss) - ref_loss) <= 1e-4 * abs(ref_loss), (float(loss), ref_loss)
     ours = weights_to_dicts(grads, h.model.layers)
     flat_ref, flat_ours = jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(ours)
@@ -68,15 +71,14 @@ def test_reference_loss_is_near_log_vocab_at_init(problem):
 
 
 def test_training_step_reports_reference_loss_and_grad_norm(problem):
-    h, weights, targets, starts, ref_loss, ref_grads = problem
+    h, weights, batch, ref_loss, ref_grads = problem
     ref_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(ref_grads)))
     mesh = make_mesh(4, 2)
     with jax.set_mesh(mesh):
         shardings = make_shardings(train.State, mesh)
         zeros = jax.tree.map(np.zeros_like, weights)
         state = jax.device_put(train.State(weights, zeros, zeros), shardings)
-        batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
-        new_state, metrics = train.training_step(state, jnp.uint32(0), jax.device_put(targets, batch_sharding), jax.device_put(starts, batch_sharding), h)
+        new_state, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), h)
     assert abs(float(metrics.loss) - ref_loss) <= 1e-4 * ref_loss
     assert abs(float(metrics.grad_norm) - ref_norm) <= 1e-2 * ref_norm
     assert new_state.weights.embed.sharding == shardings.weights.embed
