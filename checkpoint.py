@@ -26,13 +26,13 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-import google_crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
 import zarr
 from jax.experimental import multihost_utils
 
+import sharded_zarr
 from jax_extra import ConfigError
 
 FORMAT_VERSION = 1
@@ -73,87 +73,6 @@ def stored_dtype(dtype) -> np.dtype:
     return np.dtype(f"<u{dtype.itemsize}") if dtype.kind == "V" else dtype
 
 
-def _region(index: tuple, shape: tuple) -> tuple:
-    """A device's index (a tuple of slices) as ((start, stop), ...) over every dimension."""
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def _slices(region: tuple) -> tuple:
-    return tuple(slice(a, b) for a, b in region)
-
-
-def _is_raw(array: zarr.Array) -> bool:
-    """True for the uncompressed little-endian layout: chunk bytes then their CRC32C."""
-    codecs = [c.to_dict() for c in array.metadata.codecs]
-    return [c["name"] for c in codecs] == ["bytes", "crc32c"] and codecs[0].get("configuration", {}).get("endian", "little") == "little"
-
-
-def _chunk_path(array_dir: str, array: zarr.Array, coords: tuple) -> str:
-    return os.path.join(array_dir, *array.metadata.encode_chunk_key(coords).split("/"))
-
-
-def _chunk_coords(array: zarr.Array, region: tuple) -> list[tuple]:
-    """Coordinates of every chunk that overlaps `region`."""
-    return list(itertools.product(*(range(a // c, -(-b // c)) for (a, b), c in zip(region, array.chunks))))
-
-
-def _write_raw_chunk(path: str, data: np.ndarray):
-    """Writes what zarr writes for the codecs [bytes, crc32c], without its extra copies."""
-    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(flat)
-        f.write(np.uint32(google_crc32c.value(flat)).tobytes())
-
-
-def _empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
-    """np.empty aligned to 64 bytes, which a CPU device adopts without a copy."""
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    buffer = np.empty(nbytes + 64, np.uint8)
-    start = -buffer.ctypes.data % 64
-    return buffer[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def _read_raw_chunk(path: str, shape: tuple, dtype: np.dtype) -> np.ndarray:
-    out = _empty(shape, dtype)
-    flat = out.reshape(-1).view(np.uint8)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != flat.nbytes + 4:
-            raise CorruptCheckpoint(f"chunk {path} has {size} bytes, expected {flat.nbytes + 4}")
-        f.readinto(flat)
-        stored = f.read(4)
-    if np.uint32(google_crc32c.value(flat)).tobytes() != stored:
-        raise CorruptCheckpoint(f"chunk {path} fails its CRC32C checksum")
-    return out
-
-
-def _read_chunk(array_dir: str, array: zarr.Array, coords: tuple) -> np.ndarray:
-    """One whole chunk, checked against its CRC32C; a missing chunk is an error, not zeros."""
-    path = _chunk_path(array_dir, array, coords)
-    if not os.path.isfile(path):
-        raise CorruptCheckpoint(f"chunk {path} is missing")
-    region = tuple((c * n, min((c + 1) * n, size)) for c, n, size in zip(coords, array.chunks, array.shape))
-    if _is_raw(array) and all(b - a == n for (a, b), n in zip(region, array.chunks)):
-        return _read_raw_chunk(path, array.chunks, np.dtype(array.dtype))
-    return np.asarray(array[_slices(region)])
-
-
-def _assemble(region: tuple, chunk_shape: tuple, chunks: dict[tuple, np.ndarray]) -> np.ndarray:
-    """The block `region` of an array from `chunks` (coords -> data), which cover it."""
-    starts = {coords: tuple(c * n for c, n in zip(coords, chunk_shape)) for coords in chunks}
-    if len(chunks) == 1:
-        [(coords, data)] = chunks.items()
-        if all((a, b) == (s, s + n) for (a, b), s, n in zip(region, starts[coords], data.shape)):
-            return data  # the device holds exactly one saved shard: no copy
-    out = _empty(tuple(b - a for a, b in region), next(iter(chunks.values())).dtype)
-    for coords, data in chunks.items():
-        bounds = [(max(a, s), min(b, s + n), a, s) for (a, b), s, n in zip(region, starts[coords], data.shape)]
-        out[tuple(slice(lo - a, hi - a) for lo, hi, a, _ in bounds)] = data[tuple(slice(lo - s, hi - s) for lo, hi, _, s in bounds)]
-    return out
-
-
 def _processes_agree(ok: bool) -> bool:
     """True when `ok` holds on every process."""
     if jax.process_count() == 1:
@@ -176,8 +95,8 @@ class _HostLeaf:
     name: str
     shape: tuple
     dtype: np.dtype  # the leaf's dtype; the stored one is stored_dtype(dtype)
-    chunks: tuple
-    shards: list  # [(region, np.ndarray of the stored dtype)] owned by this process
+    sharding: jax.sharding.Sharding
+    data: dict  # chunk coordinates -> np.ndarray of the stored dtype: the chunks this process writes
 
 
 class Checkpointer:
@@ -248,9 +167,12 @@ class Checkpointer:
         def host_copy(shard, dtype):  # a copy we own: the state's buffers are donated next step
             return np.array(shard.data, copy=True).view(stored_dtype(dtype))
 
+        def coords(shard, x):
+            return tuple(a // n for (a, _), n in zip(sharded_zarr.region(shard.index, x.shape), x.sharding.shard_shape(x.shape)))
+
         copies = [[self._io.submit(host_copy, s, x.dtype) for s in shards] for x, shards in zip(leaves, owned)]
         return [
-            _HostLeaf(name, x.shape, np.dtype(x.dtype), x.sharding.shard_shape(x.shape), [(_region(s.index, x.shape), c.result()) for s, c in zip(shards, cs)])
+            _HostLeaf(name, x.shape, np.dtype(x.dtype), x.sharding, {coords(s, x): c.result() for s, c in zip(shards, cs)})
             for name, x, shards, cs in zip(leaf_names(tree), leaves, owned, copies)
         ]
 
@@ -262,7 +184,7 @@ class Checkpointer:
             return [zarr.codecs.BloscCodec(cname="lz4", clevel=self.cfg.level, shuffle="shuffle"), crc]
         return [crc]
 
-    def _create(self, path: str, step: int, leaves: list[_HostLeaf]):
+    def _create(self, path: str, step: int, leaves: list[_HostLeaf], layouts: list[sharded_zarr.Layout]):
         """Process 0: the group (not yet committed) and every array's metadata. zarr writes an
         array's zarr.json once; later checkpoints of the same array reuse those bytes, which
         saves the most CPU time of a small checkpoint."""
@@ -271,25 +193,15 @@ class Checkpointer:
         os.makedirs(self.directory, exist_ok=True)
         attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves], "write_completed": False}
         group = zarr.create_group(store=path, attributes=attributes)
-        for leaf in leaves:
-            key = (leaf.name, leaf.shape, leaf.dtype.name, leaf.chunks)
+        for leaf, layout in zip(leaves, layouts):
+            key = (leaf.name, leaf.shape, leaf.dtype.name, layout)
             metadata = os.path.join(path, leaf.name, "zarr.json")
             if key in self._metadata:
                 os.makedirs(os.path.dirname(metadata))
                 with open(metadata, "wb") as f:
                     f.write(self._metadata[key])
                 continue
-            group.create_array(
-                leaf.name,
-                shape=leaf.shape,
-                dtype=stored_dtype(leaf.dtype),
-                chunks=leaf.chunks,
-                compressors=self._compressors(),
-                fill_value=0,
-                chunk_key_encoding={"name": "default", "separator": "/"},  # chunk (i, j) in c/i/j
-                attributes={"dtype": leaf.dtype.name},
-                config={"write_empty_chunks": True},
-            )
+            sharded_zarr.create(group, leaf.name, leaf.shape, stored_dtype(leaf.dtype), layout, self._compressors(), {"dtype": leaf.dtype.name})
             with open(metadata, "rb") as f:
                 self._metadata[key] = f.read()
 
@@ -300,20 +212,20 @@ class Checkpointer:
         path, markers = self.step_dir(step), os.path.join(self.step_dir(step), f".{{}}.{self.token}")
         written = [markers.format(f"written.{p}") for p in range(jax.process_count())]
         try:
+            layouts = [sharded_zarr.plan(leaf.sharding, leaf.shape) for leaf in leaves]
             if self.process == 0:
-                self._create(path, step, leaves)
+                self._create(path, step, leaves, layouts)
                 _touch(markers.format("ready"))
             else:
                 self._wait(lambda: os.path.exists(markers.format("ready")), step, f"process 0 to create checkpoint {path}")
-            jobs = []
-            for leaf in leaves:
-                array = zarr.open_array(os.path.join(path, leaf.name), mode="r+") if self.cfg.compression != "none" else None
-                for region, data in leaf.shards:
-                    if array is None:  # uncommitted files need no atomic writes: the commit is the marker
-                        coords = [str(a // c) for (a, _), c in zip(region, leaf.chunks)]
-                        jobs.append(self._io.submit(_write_raw_chunk, os.path.join(path, leaf.name, "c", *coords), data))
-                    else:
-                        jobs.append(self._io.submit(array.__setitem__, _slices(region), data))
+            files = []
+            for leaf, layout in zip(leaves, layouts):
+                array_dir = os.path.join(path, leaf.name)
+                # zarr's write_empty_chunks is not stored with the array: without it, zarr writes no file for a chunk or shard of zeros.
+                array = zarr.open_array(array_dir, mode="r+").with_config({"write_empty_chunks": True}) if self.cfg.compression != "none" else None
+                files += sharded_zarr.write_jobs(array_dir, layout, leaf.data, array)
+            # Round robin over the files: writes to one file wait for each other on most file systems.
+            jobs = [self._io.submit(job) for wave in itertools.zip_longest(*files) for job in wave if job is not None]
             for job in jobs:
                 job.result()
             _touch(written[self.process])
@@ -367,10 +279,11 @@ class Checkpointer:
 
     def restore(self, shapes, shardings):
         """Loads the newest readable committed checkpoint as a tree like `shapes` (leaves with
-        .shape and .dtype) placed with `shardings` (a tree of jax.sharding.Sharding), and
-        removes every checkpoint newer than it (uncommitted or damaged) so that they are
-        rewritten. Returns (step, tree), or None if there is no committed checkpoint. A damaged
-        checkpoint is skipped with a warning; a mismatch of names, shapes or dtypes raises."""
+        .shape and .dtype) placed with `shardings` (a tree of jax.sharding.Sharding), and moves
+        every checkpoint newer than it out of the way, so that those steps are written afresh.
+        Returns (step, tree), or None if there is no committed checkpoint. A damaged checkpoint
+        is skipped with a warning; a mismatch of names, shapes or dtypes raises."""
+        self.wait()
         names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
         targets, placements = jax.tree.leaves(shapes), treedef.flatten_up_to(shardings)
         complete = self.complete_steps()
@@ -422,26 +335,43 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {path}: array {name} is {dtype.name}{list(array.shape)} but the state expects "
                                       f"{jnp.dtype(target.dtype).name}{list(target.shape)}; use the model config it was written with or a new paths.model_name")
             arrays[name] = array
-        # Each chunk that overlaps a region held here is read once, even if several devices need it.
-        regions = {name: {_region(i, t.shape) for i in s.addressable_devices_indices_map(t.shape).values()} for name, t, s in zip(names, targets, shardings)}
-        reads = {(name, c): None for name in names for region in regions[name] for c in _chunk_coords(arrays[name], region)}
-        reads = {(name, c): self._io.submit(_read_chunk, os.path.join(path, name), arrays[name], c) for name, c in reads}
-        chunks = {}
-        for (name, coords), job in reads.items():
-            try:
-                chunks[name, coords] = job.result()
-            except Exception as e:
-                raise CorruptCheckpoint(f"array {name}, chunk {coords}: {e}") from e
-        def assemble(name, region):
-            covering = {c: chunks[name, c] for c in _chunk_coords(arrays[name], region)}
-            return _assemble(region, arrays[name].chunks, covering).view(jnp.dtype(arrays[name].attrs["dtype"]))
+        return self._read_regions(path, arrays, names, targets, shardings)
 
-        data = {(name, r): self._io.submit(assemble, name, r) for name in names for r in regions[name]}
-        data = {key: job.result() for key, job in data.items()}
+    def _read_regions(self, path: str, arrays: dict, names: list[str], targets: list, shardings: list) -> list[jax.Array]:
+        """Each device's region of each array. Every chunk that overlaps a region held by this
+        process is read once (with its shard's index first), then regions are assembled."""
+        Z = sharded_zarr
+        regions = {name: {Z.region(i, t.shape) for i in s.addressable_devices_indices_map(t.shape).values()} for name, t, s in zip(names, targets, shardings)}
+        needed = {(name, c): None for name in names for r in regions[name] for c in Z.overlapping(r, arrays[name].chunks)}
+
+        def results(jobs: dict) -> dict:
+            try:
+                return {key: job.result() for key, job in jobs.items()}
+            except Z.DamagedChunk as e:
+                raise CorruptCheckpoint(str(e)) from e
+            except Exception as e:  # zarr's own checks of compressed chunks
+                raise CorruptCheckpoint(repr(e)) from e
+
+        def shard_of(name, c):
+            a = arrays[name]
+            return None if a.shards is None else tuple(i * n // s for i, n, s in zip(c, a.chunks, a.shards))
+
+        shards = {(name, shard_of(name, c)) for name, c in needed if shard_of(name, c) is not None}
+        indexes = results({(name, s): self._io.submit(Z.read_index, os.path.join(path, name), arrays[name], s) for name, s in shards})
+        def read(name, c):
+            return Z.read_chunk(os.path.join(path, name), arrays[name], c, indexes.get((name, shard_of(name, c))))
+
+        chunks = results({(name, c): self._io.submit(read, name, c) for name, c in needed})
+
+        def assemble(name, r):
+            covering = {c: chunks[name, c] for c in Z.overlapping(r, arrays[name].chunks)}
+            return Z.assemble(r, arrays[name].chunks, covering).view(jnp.dtype(arrays[name].attrs["dtype"]))
+
+        data = results({(name, r): self._io.submit(assemble, name, r) for name in names for r in regions[name]})
         handed_out = set()
 
         def block(name, shape, index):  # a CPU device may adopt the buffer: each device gets its own
-            key = (name, _region(index, shape))
+            key = (name, Z.region(index, shape))
             fresh = key not in handed_out
             handed_out.add(key)
             return data[key] if fresh else data[key].copy()

@@ -1,7 +1,7 @@
 """Step time of the training loop with a checkpoint saved every step, against no saving.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.checkpoint_async \\
-        [--steps 20] [--rounds 2] [--compression none] [key=value ...]
+        [--steps 10] [--rounds 4] [--compression none] [--keep 2] [key=value ...]
 
 The loop is train.py's: dispatch step s, then read the metrics of step s-1; when a checkpoint
 is due, log step s and `save(s + 1, state)`, which returns after the device-to-host copy while
@@ -61,8 +61,8 @@ def step_times(h: train.Config, mesh, steps: int, directory: str | None, cfg: Ch
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="local_test_synthetic")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--compression", default="none")
     parser.add_argument("--keep", type=int, default=2, help="checkpoints kept: each save past the first `keep` deletes one")
     parser.add_argument("--dir", default=tempfile.gettempdir())
@@ -78,9 +78,12 @@ def main(argv=None):
         times, calls = step_times(h, mesh, args.steps, tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir), cfg)
         saving, saves = saving + times, saves + calls
     print(f"config {args.config} {' '.join(args.overrides)}: state {state_bytes / 1e6:.1f} MB, mesh d={h.mesh.d} t={h.mesh.t}, {cfg}")
-    print(f"step time, no checkpoints:      median {np.median(plain) * 1000:.0f} ms ({len(plain)} steps)")
-    print(f"step time, a checkpoint a step: median {np.median(saving) * 1000:.0f} ms ({len(saving)} steps); "
-          f"save() itself blocked a median {np.median(saves) * 1000:.0f} ms")
+    def summary(times):
+        q1, q2, q3 = np.percentile(times, [25, 50, 75]) * 1000
+        return f"median {q2:.0f} ms (quartiles {q1:.0f}-{q3:.0f}, {len(times)} steps)"
+
+    print(f"step time, no checkpoints:      {summary(plain)}")
+    print(f"step time, a checkpoint a step: {summary(saving)}; save() itself blocked a median {np.median(saves) * 1000:.0f} ms")
 
 
 if __name__ == "__main__":

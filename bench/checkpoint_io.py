@@ -8,7 +8,8 @@ zstd finds little to remove, as in real weights). "raw" writes and reads the ver
 with numpy (`tofile` / `fromfile`, one file per shard, the same number of threads): the speed
 of the disk as this process sees it, page cache included. Save is timed from `save()` to the
 commit; restore reads onto the saving mesh (one chunk per device) and onto 8x1 (every device
-reads parts of two chunks). Each figure is the best of --repeats runs.
+reads parts of two chunks). The machine's load changes from second to second, so each round
+measures raw numpy and then the checkpointer, and the figures are medians over rounds.
 """
 
 import argparse
@@ -97,21 +98,24 @@ def main(argv=None):
     state = make_state(args.gb, mesh)
     nbytes = sum(x.nbytes for x in state.values())
     work = tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir)
-    print(f"state {nbytes / 1e9:.2f} GB in {len(state)} arrays on a 4x2 mesh; directory {work}; best of {args.repeats}")
-    raw, runs = [], {c: [] for c in args.compression}
+    print(f"state {nbytes / 1e9:.2f} GB in {len(state)} arrays on a 4x2 mesh; directory {work}; {args.repeats} rounds")
+    rounds = []  # per round: raw (write, read), then per compression (save, write phase), (restore 4x2, restore 8x1)
     for r in range(args.repeats + 1):  # the first round warms the page cache and is not counted
-        raw.append(raw_speeds(state, os.path.join(work, f"raw{r}")))
-        for compression in args.compression:
-            runs[compression].append(checkpoint_speeds(state, os.path.join(work, f"{compression}{r}"), compression, [mesh, other]))
-    raw_write, raw_read = max(w for w, _ in raw[1:]), max(r for _, r in raw[1:])
-    print(f"raw numpy:  write {raw_write:.2f} GB/s   read {raw_read:.2f} GB/s")
-    for compression, v in runs.items():
-        save, written = max(s[0] for s, _ in v[1:]), max(s[1] for s, _ in v[1:])
-        same, resharded = max(r[0] for _, r in v[1:]), max(r[1] for _, r in v[1:])
-        print(f"{compression:5s} save {save:.2f} GB/s ({save / raw_write:.0%} of raw write; write phase {written:.2f} GB/s, {written / raw_write:.0%})")
-        print(f"{'':5s} restore onto 4x2 {same:.2f} GB/s ({same / raw_read:.0%} of raw read), onto 8x1 {resharded:.2f} GB/s ({resharded / raw_read:.0%})")
+        raw = raw_speeds(state, os.path.join(work, f"raw{r}"))
+        rounds.append((raw, {c: checkpoint_speeds(state, os.path.join(work, f"{c}{r}"), c, [mesh, other]) for c in args.compression}))
     shutil.rmtree(work, ignore_errors=True)
+    rounds = rounds[1:]
 
+    def figure(get, raw_of) -> str:
+        """Median over rounds, in GB/s and as a fraction of raw numpy in the same round."""
+        return f"{np.median([get(r) for r in rounds]):.2f} GB/s ({np.median([get(r) / raw_of(r) for r in rounds]):.0%})"
+
+    print("medians over rounds; in brackets, the fraction of raw numpy I/O measured in the same round")
+    print(f"raw numpy:  write {np.median([r[0][0] for r in rounds]):.2f} GB/s   read {np.median([r[0][1] for r in rounds]):.2f} GB/s")
+    for c in args.compression:
+        write, read = (lambda r: r[0][0]), (lambda r: r[0][1])
+        print(f"{c:5s} save {figure(lambda r, c=c: r[1][c][0][0], write)}, write phase alone {figure(lambda r, c=c: r[1][c][0][1], write)}; "
+              f"restore onto 4x2 {figure(lambda r, c=c: r[1][c][1][0], read)}, onto 8x1 {figure(lambda r, c=c: r[1][c][1][1], read)}")
 
 if __name__ == "__main__":
     main()

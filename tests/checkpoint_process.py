@@ -3,8 +3,9 @@
     python tests/checkpoint_process.py PORT NUM_PROCESSES PROCESS_ID CHECKPOINT_DIR
 
 Every process builds the same global tree (`sample_values`) on a 4x2 mesh over all processes'
-devices, saves it as step 3 (each process writing the shards it owns), then every process
-restores it on a 2x4 mesh and checks the shards it holds.
+devices (one leaf on an 8x1 mesh whose devices alternate between the processes), saves it as
+step 3 (each process writing the shards it owns), then every process restores it on a 2x4 mesh
+and checks the shards it holds.
 """
 
 import os
@@ -25,7 +26,7 @@ from checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
 
 def sample_values() -> dict:
     """Global values and partition specs: f32 and bf16 (with nan, inf, -0 and a subnormal)
-    leaves sharded several ways, a replicated vector and a scalar."""
+    leaves sharded several ways, a replicated vector, a scalar and an array of zeros."""
     rng = np.random.default_rng(0)
     bf16 = rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16)
     bf16[0, :4] = [np.nan, np.inf, -0.0, 1e-40]
@@ -34,6 +35,8 @@ def sample_values() -> dict:
         "norm": (rng.standard_normal(5).astype(np.float32), P()),
         "count": (np.uint32(7), P()),
         "layers": [(rng.standard_normal((2, 16, 8)).astype(np.float32), P(None, "t", "d"))],
+        "interleaved": (rng.standard_normal((16, 4)).astype(np.float32), P("d")),
+        "zeros": (np.zeros((8, 4), np.float32), P("d", "t")),  # as Adam's moments start
     }
 
 
@@ -55,7 +58,11 @@ def main():
     auto = (jax.sharding.AxisType.Auto,) * 2
     values = sample_values()
     checkpointer = Checkpointer(directory, CheckpointConfig(keep=0, compression="none", level=0, threads=4))
-    checkpointer.save(3, put(values, jax.make_mesh((4, 2), ("d", "t"), axis_types=auto)))
+    tree = put(values, jax.make_mesh((4, 2), ("d", "t"), axis_types=auto))
+    by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
+    alternating = jax.sharding.Mesh(np.array([d for ds in zip(*by_process) for d in ds]).reshape(8, 1), ("d", "t"), axis_types=auto)
+    tree["interleaved"] = put({"x": values["interleaved"]}, alternating)["x"]
+    checkpointer.save(3, tree)
     checkpointer.wait()
     mesh = jax.make_mesh((2, 4), ("d", "t"), axis_types=auto)
     shapes = jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v[0]), v[0].dtype), values, is_leaf=is_spec_pair)

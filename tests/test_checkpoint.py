@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import google_crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpoint
+import sharded_zarr
 import train
 from checkpoint import CheckpointConfig, Checkpointer, CheckpointError
 from model_fixtures import TINY, make_mesh, random_batch, tiny_config
@@ -64,7 +66,8 @@ def saved(directory, values, steps=(1,), **changes) -> Checkpointer:
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd", "blosc"])
-def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression):
+def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression, monkeypatch):
+    monkeypatch.setattr(sharded_zarr, "PIECE", 24)  # the direct path checksums and writes a chunk in pieces
     values = sample_values()
     checkpointer = saved(tmp_path, values, steps=[3], compression=compression)
     for d, t in [(4, 2), (2, 4), (1, 1)]:
@@ -77,7 +80,7 @@ def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression):
     assert {k: group.attrs[k] for k in ("step", "format_version", "write_completed")} == {"step": 3, "format_version": 1, "write_completed": True}
     b = group["weights.b"]
     assert b.dtype == np.uint16 and b.attrs["dtype"] == "bfloat16" and b.chunks == (8, 4)
-    assert b[:].tobytes() == values["weights"]["b"][0].tobytes()
+    assert b[:].tobytes() == values["weights"]["b"][0].tobytes()  # zarr checks every CRC32C as it reads
     assert group["layers.0"].chunks == (2, 8, 2) and group["weights.w"].chunks == (2, 2) and group["count"][()] == 7
 
 
@@ -139,6 +142,10 @@ def test_two_processes_save_and_restore(tmp_path):
         assert step == 3 and host_bytes(tree) == value_bytes(values)
     checkpointer.close()
     assert [n for n in os.listdir(tmp_path / "0000000003") if n.startswith(".")] == []  # the commit markers are gone
+    group = zarr.open_group(str(tmp_path / "0000000003"), mode="r")
+    assert group["weights.w"].shards == (4, 4) and group["weights.w"].chunks == (2, 2)  # one file per process
+    assert group["interleaved"].shards is None and group["interleaved"].chunks == (2, 4)  # alternate rows: a file per chunk
+    assert sorted(os.listdir(tmp_path / "0000000003" / "weights.w" / "c")) == ["0", "1"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,11 +162,25 @@ def truncate(path):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize("compression,damage", [("none", garble), ("none", truncate), ("none", os.remove), ("zstd", garble), ("zstd", truncate)])
+def unlist_a_chunk(path):
+    """A shard whose index (with a valid checksum) says that its first chunk was never written,
+    which zarr itself would read as zeros."""
+    data = bytearray(open(path, "rb").read())
+    n = 4 * 2  # chunks in the shard of weights.w: the whole (8, 4) array in (2, 2) chunks
+    index = np.frombuffer(bytes(data[-16 * n - 4 : -4]), "<u8").copy()
+    index[:2] = 2**64 - 1
+    data[-16 * n - 4 :] = index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).tobytes()
+    open(path, "wb").write(bytes(data))
+
+
+DAMAGES = [("none", garble), ("none", truncate), ("none", os.remove), ("none", unlist_a_chunk), ("zstd", garble), ("zstd", truncate), ("zstd", unlist_a_chunk)]
+
+
+@pytest.mark.parametrize("compression,damage", DAMAGES)
 def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, compression, damage):
     values = sample_values()
     checkpointer = saved(tmp_path, values, steps=[1, 2], compression=compression)
-    damage(str(tmp_path / "0000000002" / "weights.w" / "c" / "1" / "1"))
+    damage(str(tmp_path / "0000000002" / "weights.w" / "c" / "0" / "0"))  # one process: the whole array is one shard
     with pytest.warns(UserWarning, match="0000000002 is damaged"):
         step, tree = checkpointer.restore(*targets_on(values, make_mesh(8, 1)))
     assert step == 1 and host_bytes(tree) == value_bytes(values)
@@ -230,8 +251,8 @@ def test_bad_config_is_refused():
 
 
 def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
-    release, write = threading.Event(), checkpoint._write_raw_chunk
-    monkeypatch.setattr(checkpoint, "_write_raw_chunk", lambda *args: (release.wait(30), write(*args)))
+    release, write = threading.Event(), sharded_zarr._write_at
+    monkeypatch.setattr(sharded_zarr, "_write_at", lambda *args, **kw: (release.wait(30), write(*args, **kw)))
     values = sample_values()
     tree = put(values, make_mesh(4, 2))
     checkpointer = Checkpointer(str(tmp_path), config())
@@ -246,10 +267,10 @@ def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
 
 
 def test_failed_background_write_stops_training(tmp_path, monkeypatch):
-    def fail(*args):
+    def fail(*args, **kw):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_raw_chunk", fail)
+    monkeypatch.setattr(sharded_zarr, "_write_at", fail)
     checkpointer = Checkpointer(str(tmp_path), config())
     checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
     with pytest.raises(RuntimeError, match="no space left on device"):
