@@ -49,7 +49,7 @@ class ModelConfig:
     d_ff: int  # F
     layers: int
     vocab: int  # V
-    rope_base: float  # RoPE's longest wavelength / 2pi (RoFormer, Su et al. 2021, eq. 15)
+    rope_base: float  # RoPE rotates dims (i, i + D/2) at rate base^(-2i/D) (RoFormer, Su et al. 2021, eq. 15)
     norm_eps: float
 
 
@@ -377,6 +377,35 @@ def validate_config(h: Config, n_devices: int, max_token_id: int):
         raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; set model.vocab to at least {max_token_id + 1}")
     if h.training.steps < 1 or h.training.warmup_steps < 0 or h.training.tokens.len < 1:
         raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
+    if h.checkpoint_interval < 0:
+        raise ConfigError(f"checkpoint_interval={h.checkpoint_interval} must be 0 (save only at the end and on SIGTERM) or a positive step count")
+
+
+def compile_training_step(h: Config, state: State, loader):
+    """training_step compiled ahead of time for this state and the loader's batches, so that
+    the run reports its compile time, FLOPs and memory before the first step; the loop runs it."""
+    batch = [jax.ShapeDtypeStruct(loader.shape, dtype, sharding=loader.sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
+    return training_step.lower(state, jnp.uint32(0), *batch, h).compile()
+
+
+def memory_annotations(h: Config, mesh) -> tuple[list[str], jax.ShapeDtypeStruct]:
+    """For the memory report, per device: what one transformer layer keeps for its backward pass
+    (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
+    float32 logits (B/d L V/t)."""
+    B, L, M, d, t = h.training.tokens.batch, h.training.tokens.len, h.model.d_model, h.mesh.d, h.mesh.t
+    lines = []
+
+    @typed_shard_map
+    def probe(x: f32[b"B/d L M"], w: Layer, mask: bool_[b"B/d L S"], position: u32[b"B/d L"]) -> f32[b""]:
+        body = explicit_activation_checkpointing(lambda x, w: transformer_layer(h.model, x, w, mask, position))
+        lines.extend(training_io.saved_residuals(body, x, w))
+        return jnp.zeros(())
+
+    batch_sharded = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, P("d")))  # noqa: E731
+    layer = jax.eval_shape(lambda: jax.tree.map(lambda w: w[0], init_weights(h.model, jax.random.key(0)).layers))
+    layer = jax.tree.map(lambda w, s: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s), layer, make_shardings(Layer, mesh))
+    jax.eval_shape(probe, batch_sharded((B, L, M), jnp.float32), layer, batch_sharded((B, L, L), jnp.bool_), batch_sharded((B, L), jnp.uint32))
+    return lines, jax.ShapeDtypeStruct((B // d, L, h.model.vocab // t), jnp.float32)
 
 
 def train(h: Config, resolved_yaml: str):
@@ -389,17 +418,22 @@ def train(h: Config, resolved_yaml: str):
     # Checkpoint N holds the state after N steps, so resuming from it runs step N next. A
     # checkpoint that does not fit the config stops the run here, before anything is written.
     restored = checkpointer.restore(jax.eval_shape(lambda: init_state(h, mesh)), make_shardings(State, mesh))
-    log = training_io.RunLog(run_dir, resolved_yaml, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
+    log = training_io.RunLog(run_dir, resolved_yaml, h, start=restored[0] if restored else 0)
     with jax.set_mesh(mesh), PreemptionWatch() as preemption:
         start, state = restored or (0, init_state(h, mesh))
+        # Compile time, FLOPs, optimized HLO and memory report, before the first step runs.
+        step_fn = log.compile(lambda: compile_training_step(h, state, loader))
+        log.memory_report(step_fn, state, *memory_annotations(h, mesh))
         pending = None  # log step s after dispatching step s+1, so logging never stalls the device
         try:
             for step in range(start, h.training.steps):
                 batch = loader.batch(step)
-                state, metrics = training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask, h)
+                log.before_step(step, state)  # the profiler trace covers two steps after the first
+                state, metrics = step_fn(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask)
                 if pending is not None:
                     log.step(*pending)
                 pending = (step, metrics)
+                log.after_step(step, metrics)
                 checkpointer.check()  # a failed background write stops training here
                 preempted, done = preemption.reached(step), step + 1
                 if preempted or done == h.training.steps or (h.checkpoint_interval > 0 and done % h.checkpoint_interval == 0):

@@ -47,6 +47,7 @@ def test_local_test_synthetic_learns_in_50_steps(dataset, tmp_path):
         (["model.n_kv=3"], r"model.n_kv=3 is not divisible by mesh.t=2"),
         (["dataset.path=/nonexistent/data.zarr"], r"dataset '/nonexistent/data.zarr' does not exist"),
         (["training.steps=ten"], r"config key training.steps must be int, got 'ten'"),
+        (["checkpoint_interval=-5"], r"checkpoint_interval=-5 must be 0 \(save only at the end and on SIGTERM\) or a positive step count"),
     ],
 )
 def test_bad_config_stops_with_one_line_before_compiling(dataset, tmp_path, overrides, message):
