@@ -1,32 +1,88 @@
-"""What a run writes besides checkpoints: config.yaml, metrics.jsonl and the console lines;
-the model FLOPs formula and the CPU's measured matmul rate for MFU."""
+"""What a run tells the researcher besides checkpoints, all in its run directory:
+config.yaml; one line per step on stdout, in metrics.jsonl and in TensorBoard (loss, learning
+rate, grad norm, tokens/s, MFU, step time, ETA); at start-up the compile time, the model FLOPs
+against XLA's count, and a memory report (memory_report.txt); the optimized HLO of the step
+(training_step.hlo.txt, .dot and .svg); a profiler trace of two steps (profile/).
 
+Only process 0 prints and writes. Logging reads the step's three scalars after the next step is
+dispatched, so it never makes the device wait.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import datetime
+import io
 import json
+import math
 import os
+import re
+import shutil
+import subprocess
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tensorboardX
+from jax.ad_checkpoint import print_saved_residuals
+
+import hlo_graph
+from jax_extra import SAVED_NAME
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and peak rates.
 
 
 def model_flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token of the model config `m` (train.ModelConfig): 2 per multiply-add
-    of every matmul in the forward pass, times 3 for forward + backward (the backward does two
-    matmuls per forward matmul). Attention counts QK^T and PV over the causal half of the
-    L x L scores. Norms, RoPE, softmax and the optimizer are left out (well under 1%)."""
+    """Training FLOPs per token of the model config `m` (train.ModelConfig), counted by hand:
+    2 FLOPs per multiply-add of every matmul of the forward pass, times 3 for forward + backward
+    (the backward does two matmuls per forward matmul: one for the input's gradient, one for the
+    weight's). Attention counts QK^T and PV over the causal half of the L x L scores, as if
+    masked work were skipped (PaLM, Chowdhery et al. 2022, appendix B, counts it the same way).
+    Norms, RoPE, softmax, the embedding lookup and the optimizer are left out (under 1% at
+    useful sizes); so is recomputation in the backward pass: this is MFU, not HFU."""
     M, Q, K, D, F, V = m.d_model, m.n_q_per_kv, m.n_kv, m.d_head, m.d_ff, m.vocab
-    projections = 2 * M * Q * K * D + 2 * (2 * M * K * D) + 2 * Q * K * D * M  # q, k and v, out
+    projections = 2 * M * (Q * K * D) + 2 * (2 * M * (K * D)) + 2 * (Q * K * D) * M  # q; k and v; out
     ffn = 3 * (2 * M * F)  # gate, up, down
-    attention = 2 * (2 * Q * K * D * seq_len) / 2  # QK^T and PV, causal half
-    forward = m.layers * (projections + ffn + attention) + 2 * M * V  # + unembedding
+    attention = 2 * (2 * (Q * K * D) * seq_len) / 2  # QK^T and PV against every key, halved
+    forward = m.layers * (projections + ffn + attention) + 2 * M * V  # + the unembedding
     return 3.0 * forward
+
+
+# Peak dense bfloat16 matmul rate per device, by jax.Device.device_kind (first full match).
+# Vendors quote "with sparsity" figures for NVIDIA parts: the dense rate is half of those.
+PEAK_BF16_FLOPS = [
+    # NVIDIA A100 datasheet: BF16 Tensor Core 312 TFLOPS (624 with sparsity), SXM and PCIe.
+    (r"NVIDIA A100.*", 312e12),
+    # NVIDIA H100 datasheet: BF16 1,979 (SXM) / 1,671 (NVL) / 1,513 (PCIe) TFLOPS with sparsity.
+    (r"NVIDIA H100.*PCIe.*", 756e12),
+    (r"NVIDIA H100.*NVL.*", 835e12),
+    (r"NVIDIA H100.*", 989e12),
+    # NVIDIA H200 datasheet: BF16 1,979 (SXM) / 1,671 (NVL) TFLOPS with sparsity.
+    (r"NVIDIA H200.*NVL.*", 835e12),
+    (r"NVIDIA H200.*", 989e12),
+    # NVIDIA HGX B200 datasheet: FP16/BF16 4.5 PFLOPS per GPU with sparsity.
+    (r"NVIDIA B200.*", 2250e12),
+    # Google Cloud TPU system architecture pages (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e):
+    # peak bf16 TFLOPS per chip. JAX names v5e "TPU v5 lite", v5p "TPU v5", v6e "TPU v6 lite".
+    (r"TPU v4", 275e12),
+    (r"TPU v5 lite|TPU v5e", 197e12),
+    (r"TPU v5p?", 459e12),
+    (r"TPU v6 lite|TPU v6e", 918e12),
+]
+
+
+def peak_bf16_flops_per_device(device_kind: str) -> float | None:
+    return next((peak for pattern, peak in PEAK_BF16_FLOPS if re.fullmatch(pattern, device_kind)), None)
 
 
 def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     """The bf16 x bf16 -> f32 matmul rate of the whole machine (FLOP/s, median), the
     denominator of CPU MFU: every local device multiplies its own n x n matrices at once, as in
-    training, so simulated devices that share cores are measured sharing them."""
+    training, so simulated devices that share cores are measured sharing them. It is the rate of
+    the matmuls the model does; on some CPUs (Intel without AMX) f32 x f32 is faster."""
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("all",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
@@ -43,27 +99,304 @@ def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     return len(devices) * 2 * n**3 / float(np.median(times))
 
 
-class RunLog:
-    """One line per step to stdout and to <run_dir>/metrics.jsonl (appended on resume)."""
+def peak_flops() -> tuple[float | None, str]:
+    """Peak bf16 FLOP/s of all devices of the run and where the number comes from. On CPU it is
+    measured (each process measures its machine); an unknown accelerator gives None and one
+    warning, never a guess."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        rate = measure_cpu_matmul_flops() * jax.process_count()
+        return rate, f"measured bf16->f32 matmul rate of {jax.process_count()} CPU machine(s)"
+    per_device = peak_bf16_flops_per_device(device.device_kind)
+    if per_device is None:
+        warn(f"no peak bf16 FLOP/s known for device kind {device.device_kind!r}: MFU is logged as null; "
+             "add the device to training_io.PEAK_BF16_FLOPS")
+        return None, f"unknown ({device.device_kind})"
+    return per_device * jax.device_count(), f"{jax.device_count()} x {device.device_kind} at {per_device / 1e12:.0f} TFLOP/s"
 
-    def __init__(self, run_dir: str, resolved_yaml: str, tokens_per_step: int):
+
+def flops_check(compiled, m, seq_len: int, tokens_per_step: int) -> str:
+    """The formula against XLA's count for the compiled step, as a line of text.
+
+    XLA's cost_analysis() counts the body of a while loop once, not once per iteration (seen on
+    jax 0.10.2: the flops of local_test_synthetic are 30.8, 30.9 and 31.0 GFLOP for 1, 2 and 4
+    layers), so the layer scan is counted as one layer: the comparable number is the formula
+    with layers=1. XLA counts a little more than the formula: elementwise work (1 FLOP per
+    element per op), the full L x L score matmuls where the formula takes the causal half, and
+    the recomputation of QK^T in the backward pass. For local_test_synthetic the gap is +3%."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    xla = float(cost.get("flops", 0.0)) * jax.device_count() if cost else 0.0
+    formula = model_flops_per_token(m, seq_len) * tokens_per_step
+    one_layer = model_flops_per_token(dataclasses.replace(m, layers=1), seq_len) * tokens_per_step
+    if not xla:
+        return f"model FLOPs per step {formula / 1e9:.4g} GFLOP (formula); XLA gives no cost analysis on this backend"
+    return (f"model FLOPs per step {formula / 1e9:.4g} GFLOP (formula, {m.layers} layers), {one_layer / 1e9:.4g} GFLOP with 1 layer; "
+            f"XLA cost_analysis {xla / 1e9:.4g} GFLOP: XLA/formula {xla / formula:.3f}, XLA/formula with 1 layer {xla / one_layer:.3f} "
+            "(XLA counts a loop body once)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: an estimate from the code's own annotations next to XLA's memory_analysis().
+
+MiB = 2**20
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of one device's shards of the arrays (or ShapeDtypeStructs with shardings) in `tree`."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _without_axis(entry, axis: str):
+    """One entry of a PartitionSpec with mesh axis `axis` taken out."""
+    if isinstance(entry, tuple):
+        return tuple(a for a in entry if a != axis) or None
+    return None if entry == axis else entry
+
+
+def gathered_bytes(tree, axis: str = "d") -> int:
+    """Bytes per device of the leaves of `tree` that are split over mesh axis `axis`, once
+    all-gathered over it (FSDP gathers weights over `d` one layer at a time)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        spec = x.sharding.spec
+        if axis in jax.tree.leaves(tuple(spec)):
+            gathered = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(_without_axis(e, axis) for e in spec)))
+            total += math.prod(gathered.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def saved_residuals(f, *args) -> list[str]:
+    """jax.ad_checkpoint.print_saved_residuals(f, *args) as lines: what `f` keeps for its
+    backward pass. Call it where `args` have per-device shapes (inside shard_map)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    return out.getvalue().strip().splitlines()
+
+
+_RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
+
+
+def residual_size(line: str) -> tuple[str, int]:
+    """('bf16[16,64,256]', bytes) of a print_saved_residuals line."""
+    dtype, dims = _RESIDUAL.match(line).groups()
+    shape = [int(d) for d in dims.split(",") if d]
+    itemsize = jnp.dtype({"bf16": "bfloat16", "f32": "float32", "f16": "float16", "bool": "bool"}.get(dtype, dtype)).itemsize
+    return f"{dtype}[{dims}]", math.prod(shape) * itemsize
+
+
+def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
+    """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
+    save_for_backward and the layer's input (the scan keeps it per layer). Its weights are left
+    out: they are slices of the stacked weights, counted once."""
+    kept = []
+    for line in residual_lines:
+        if f"named '{SAVED_NAME}'" in line:
+            kept.append((*residual_size(line), "save_for_backward"))
+        elif line.split(" from ")[-1] == f"the argument {input_name}":
+            kept.append((*residual_size(line), "layer input"))
+    return kept
+
+
+def memory_estimate(state, layers: int, layer_residuals: list[str], logits) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+    """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
+
+    `state` has the weights and Adam moments (fields weights, adam_mu, adam_nu) as arrays or
+    ShapeDtypeStructs with shardings; `layers` is how many layers are stacked; `layer_residuals`
+    are print_saved_residuals lines of one layer (see layer_saved_values); `logits` is a
+    ShapeDtypeStruct of one device's logits."""
+    weights = per_device_bytes(state.weights)
+    saved = layer_saved_values(layer_residuals)
+    saved_per_layer = sum(size for _, size, _ in saved)
+    outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != "layers"]
+    gathered = max(gathered_bytes(state.weights.layers) / layers, *(gathered_bytes(w) for w in outside_layers))
+    logits_bytes = math.prod(logits.shape) * jnp.dtype(logits.dtype).itemsize
+    terms = [
+        ("weights (f32, sharded as annotated)", weights),
+        ("Adam moments (f32 mu and nu)", per_device_bytes((state.adam_mu, state.adam_nu))),
+        ("gradients (f32, reduce-scattered like the weights)", weights),
+        # The forward gathers a layer's weights in f32 and casts them to bf16; the backward
+        # gathers them again (they are not saved) and builds their whole f32 gradient before
+        # reduce-scattering it: 4 + 2 + 4 bytes per gathered f32 parameter.
+        ("largest gathered weights of one layer: f32, bf16 copy, f32 gradient", round(2.5 * gathered)),
+        (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
+        ("logits (f32) and their gradient", 2 * logits_bytes),
+    ]
+    if jax.devices()[0].platform == "cpu":
+        # XLA:CPU has no bf16 arithmetic: before the backward loop it converts every stacked
+        # bf16 residual to f32 (seen in the optimized HLO), so those exist twice more in f32.
+        bf16 = sum(size for shape, size, _ in saved if shape.startswith("bf16"))
+        terms.append(("f32 copies of the saved bf16 values (XLA:CPU converts them)", 2 * bf16 * layers))
+    return terms, saved
+
+
+def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits, title: str) -> tuple[str, float, float]:
+    """The memory report (text), the estimate and XLA's peak, in bytes per device: the terms of
+    memory_estimate() next to compiled.memory_analysis()."""
+    terms, saved = memory_estimate(state, layers, layer_residuals, logits)
+    estimate = sum(size for _, size in terms)
+    lines = [f"Memory per device of the training step: {title}", "", "Estimate from the code's annotations (shardings of the types, save_for_backward):"]
+    for name, size in terms:
+        lines.append(f"  {name:<76} {size / MiB:10.2f} MiB")
+        if name.startswith("saved for backward"):
+            lines += [f"      {shape:<24} {size / MiB:8.3f} MiB  {why}" for shape, size, why in saved]
+    lines.append(f"  {'total':<76} {estimate / MiB:10.2f} MiB")
+    lines += ["", "XLA memory_analysis() of the compiled step:"]
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        lines.append("  not available on this backend")
+        return "\n".join(lines) + "\n", estimate, float("nan")
+    fields = [("arguments", analysis.argument_size_in_bytes), ("outputs", analysis.output_size_in_bytes),
+              ("aliased (outputs written into donated arguments)", analysis.alias_size_in_bytes), ("temporaries", analysis.temp_size_in_bytes),
+              ("peak_memory_in_bytes", getattr(analysis, "peak_memory_in_bytes", 0))]
+    lines += [f"  {name:<76} {size / MiB:10.2f} MiB" for name, size in fields]
+    allocated = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
+    # On CPU peak_memory_in_bytes leaves the temporaries out; what the executable allocates is
+    # the larger of the two.
+    xla = max(allocated, fields[-1][1])
+    lines.append(f"  {'peak: max(peak_memory_in_bytes, arguments + outputs - aliased + temporaries)':<76} {xla / MiB:10.2f} MiB")
+    lines += ["", f"estimate / XLA peak = {estimate / xla:.2f}"]
+    return "\n".join(lines) + "\n", estimate, xla
+
+
+# ---------------------------------------------------------------------------------------------
+# The run log.
+
+
+def warn(message: str):
+    print(f"seqax: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+class RunLog:
+    """Everything a run prints and writes besides checkpoints. `h` is the run's train.Config;
+    the run starts (or resumes) at step `start`; the profiler traces `profiled_steps` steps
+    after it. Only process 0 prints and writes."""
+
+    def __init__(self, run_dir: str, resolved_yaml: str, h, start: int, profiled_steps: int = 2):
+        self.run_dir, self.h, self.start = run_dir, h, start
+        self.writes = jax.process_index() == 0
+        self.tokens_per_step = h.training.tokens.batch * h.training.tokens.len
+        self.flops_per_token = model_flops_per_token(h.model, h.training.tokens.len)
+        # The first step after the first one of this process, so that nothing waits for a compile.
+        self.profiled = range(start + 1, min(start + 1 + profiled_steps, h.training.steps)) if self.writes else range(0)
+        self.recent_step_times = collections.deque(maxlen=20)
+        self.last_time, self.paused, self.dot_process, self.tracing = None, 0.0, None, False
+        if not self.writes:
+            return
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(resolved_yaml)
         self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.tokens_per_step = tokens_per_step
-        self.last_time = time.perf_counter()
+        # One event file per process start (the suffix keeps two starts in one second apart).
+        # On resume, purge_step hides the events of steps >= start that an earlier process wrote
+        # after its last checkpoint: TensorBoard shows each step once, with the values of the
+        # run that continued (metrics.jsonl keeps both lines).
+        self.tensorboard = tensorboardX.SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start or None, flush_secs=10,
+                                                      filename_suffix=f".step{start}.pid{os.getpid()}")
+        self.peak, source = peak_flops()
+        self.print(f"peak bf16 FLOP/s for MFU: {source}: " + (f"{self.peak / 1e12:.4g} TFLOP/s" if self.peak else "unknown, MFU is null"))
+
+    def print(self, text: str):
+        if self.writes:
+            print(text, flush=True)
+
+    def write(self, name: str, text: str):
+        if self.writes:
+            with open(os.path.join(self.run_dir, name), "w") as f:
+                f.write(text)
+
+    # --- start-up: compile, FLOPs, HLO graph, memory
+
+    def compile(self, lower_and_compile):
+        """Runs `lower_and_compile()` (returns a jax Compiled), prints the compile time and the
+        FLOPs check, and writes the optimized HLO with its graph."""
+        started = time.perf_counter()
+        compiled = lower_and_compile()
+        self.print(f"compiled the training step in {time.perf_counter() - started:.1f} s")
+        self.print(flops_check(compiled, self.h.model, self.h.training.tokens.len, self.tokens_per_step))
+        if self.writes:
+            self._write_hlo(compiled.as_text())
+        return compiled
+
+    def _write_hlo(self, hlo_text: str):
+        path = lambda suffix: os.path.join(self.run_dir, f"training_step.{suffix}")  # noqa: E731
+        self.write("training_step.hlo.txt", hlo_text)
+        self.write("training_step.dot", hlo_graph.to_dot(hlo_text, "training_step"))
+        if shutil.which("dot") is None:
+            warn("graphviz's `dot` is not installed, so there is no training_step.svg (training_step.dot is written); "
+                 "install it with `apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz`")
+            return
+        # Rendered in the background; close() waits for it.
+        self.dot_process = subprocess.Popen(["dot", "-Tsvg", path("dot"), "-o", path("svg")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def memory_report(self, compiled, state, layer_residuals: list[str], logits):
+        """Prints the memory report and writes memory_report.txt (see memory_report())."""
+        if not self.writes:
+            return
+        d, t = self.h.mesh.d, self.h.mesh.t
+        title = f"mesh d={d} t={t}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        text, _, _ = memory_report(compiled, state, self.h.model.layers, layer_residuals, logits, title)
+        self.print(text.rstrip())
+        self.write("memory_report.txt", text)
+
+    # --- the loop
+
+    def before_step(self, step: int, state):
+        """Call before dispatching `step`: starts the profiler trace before the first profiled
+        step, once the step before it has finished."""
+        if self.last_time is None:
+            self.last_time = time.perf_counter()
+        if self.profiled and step == self.profiled[0]:
+            jax.block_until_ready(state)
+            jax.profiler.start_trace(os.path.join(self.run_dir, "profile"), create_perfetto_trace=True)
+            self.tracing = True
+
+    def after_step(self, step: int, metrics):
+        """Call after dispatching `step`: stops the trace once the last profiled step is done."""
+        if self.profiled and step == self.profiled[-1]:
+            jax.block_until_ready(metrics)
+            started = time.perf_counter()
+            jax.profiler.stop_trace()
+            self.tracing = False
+            self.paused += time.perf_counter() - started  # the device idles: not a step's time
+            self.print(f"profile of steps {self.profiled[0]}-{step} written to {os.path.join(self.run_dir, 'profile')} "
+                       "(perfetto_trace.json.gz opens in https://ui.perfetto.dev)")
+            self.profiled = range(0)
 
     def step(self, step: int, metrics):
         """Reads the step's scalars (waiting for that step only) and writes its line."""
         values = {k: float(v) for k, v in jax.device_get(vars(metrics)).items()}
         now = time.perf_counter()
-        step_time, self.last_time = now - self.last_time, now
-        line = {"step": step, **values, "step_time": step_time, "tokens_per_second": self.tokens_per_step / step_time}
+        step_time, self.last_time, self.paused = now - self.last_time - self.paused, now, 0.0
+        if not self.writes:
+            return
+        self.recent_step_times.append(step_time)
+        tokens_per_second = self.tokens_per_step / step_time
+        mfu = self.flops_per_token * tokens_per_second / self.peak if self.peak else None
+        line = {"step": step, **values, "step_time": step_time, "tokens_per_second": tokens_per_second, "mfu": mfu}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
-        print(f"step {step:6d}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  grad_norm {values['grad_norm']:.3g}  "
-              f"{step_time * 1000:.0f} ms  {line['tokens_per_second']:.0f} tok/s", flush=True)
+        for key, value in line.items():
+            if key != "step" and value is not None:
+                self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
+        eta = _duration(float(np.mean(self.recent_step_times)) * (self.h.training.steps - step - 1))
+        print(f"step {step:6d}/{self.h.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
+              f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
+              f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
 
     def close(self):
+        if self.tracing:  # the run stopped inside the profiled steps
+            jax.profiler.stop_trace()
+        if not self.writes:
+            return
+        if self.dot_process is not None:
+            _, error = self.dot_process.communicate()
+            if self.dot_process.returncode:
+                warn(f"graphviz's dot failed on training_step.dot: {error.decode(errors='replace').strip()[:500]}")
+        self.tensorboard.close()
         self.metrics_file.close()

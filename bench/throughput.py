@@ -3,7 +3,8 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.throughput \\
         --config local_test_synthetic [--steps 10] [--warmup 3] [key=value ...]
 
-On CPU, MFU is model FLOPs/s over the measured bf16->f32 matmul rate of the whole machine.
+MFU is model FLOPs/s over the peak bf16 rate of the devices (training_io.peak_flops: a table of
+accelerators; on CPU the measured bf16->f32 matmul rate of the whole machine).
 Batches are random tokens with documents of random length: the step's speed does not depend
 on the data.
 """
@@ -63,12 +64,12 @@ def main(argv=None):
     step_time = float(np.median(times))
     tokens = h.training.tokens.batch * h.training.tokens.len
     flops = training_io.model_flops_per_token(h.model, h.training.tokens.len) * tokens / step_time
-    peak = training_io.measure_cpu_matmul_flops() if jax.devices()[0].platform == "cpu" else None
+    peak, peak_source = training_io.peak_flops()
     mfu = f"{flops / peak:.1%}" if peak else "n/a"
     print(f"config {args.config} {' '.join(args.overrides)}")
     print(f"devices {jax.device_count()} x {jax.devices()[0].device_kind}  mesh d={h.mesh.d} t={h.mesh.t}")
     print(f"step time median {step_time * 1000:.0f} ms (min {min(times) * 1000:.0f}, max {max(times) * 1000:.0f}, {len(times)} steps)")
-    print(f"tokens/s {tokens / step_time:.0f}  model TFLOP/s {flops / 1e12:.3f}  MFU {mfu}" + (f" of measured {peak / 1e9:.0f} GFLOP/s" if peak else ""))
+    print(f"tokens/s {tokens / step_time:.0f}  model TFLOP/s {flops / 1e12:.3f}  MFU {mfu}" + (f" of {peak / 1e9:.0f} GFLOP/s ({peak_source})" if peak else ""))
     sys.stdout.flush()
 
 

@@ -1,0 +1,142 @@
+"""The optimized HLO of a compiled step as a Graphviz graph: one node per instruction of the
+entry computation and of every while-loop body (a cluster each, with its trip count), fusions
+drawn as one node named after their main operation, matmuls and collectives coloured.
+
+Why our own converter: JAX has no public call that renders HLO as a graph. XLA's dump flags
+(`--xla_dump_to --xla_dump_hlo_as_dot`) are process-wide and must be set before JAX starts,
+and jaxlib's private renderer has moved between releases. `Compiled.as_text()` is public and
+its text format is stable, so we parse it here.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+               "all-gather-start", "all-reduce-start", "collective-permute-start"}
+MATMULS = {"dot", "convolution"}
+# Plumbing left out of the picture: an edge through one of these goes to its producer.
+PASS_THROUGH = {"get-tuple-element", "tuple", "bitcast", "constant", "copy", "parameter"}
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s+(ROOT )?%(\S+) = (.*)$")
+_OPCODE = re.compile(r"(?:^|[\s}\])])([a-z][a-z0-9\-]*)\(")
+
+
+@dataclass
+class Instruction:
+    name: str
+    shape: str  # e.g. "f32[16,64]" or "tuple"
+    opcode: str
+    operands: list[str]
+    calls: list[str]  # computations it calls (fusion body, while body)
+    trip_count: int | None = None
+
+
+@dataclass
+class Computation:
+    name: str
+    is_entry: bool
+    instructions: list[Instruction] = field(default_factory=list)
+
+
+def _matching_paren(text: str, start: int) -> int:
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def parse_instruction(name: str, rest: str) -> Instruction:
+    match = _OPCODE.search(rest)
+    opcode = match.group(1)
+    close = _matching_paren(rest, match.end() - 1)
+    operands = re.findall(r"%([\w.\-]+)", rest[match.end() : close])
+    attributes = rest[close:]
+    calls = re.findall(r"(?:calls|body)=%([\w.\-]+)", attributes)
+    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+    shape = "tuple" if rest.startswith("(") else rest.split("{")[0].split(" ")[0]
+    return Instruction(name, shape, opcode, operands, calls, int(trip.group(1)) if trip else None)
+
+
+def parse_hlo(text: str) -> dict[str, Computation]:
+    computations: dict[str, Computation] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            header = _COMPUTATION.match(line)
+            if header:
+                current = computations[header.group(2)] = Computation(header.group(2), bool(header.group(1)))
+        elif line.startswith("}"):
+            current = None
+        else:
+            instruction = _INSTRUCTION.match(line)
+            if instruction:
+                current.instructions.append(parse_instruction(instruction.group(2), instruction.group(3)))
+    return computations
+
+
+def _label_and_colour(inst: Instruction, computations: dict[str, Computation]) -> tuple[str, str]:
+    """The node's text (the instruction's name, as in the profiler trace, its operation and its
+    shape) and fill colour."""
+    ops = {inst.opcode}
+    operation = inst.opcode
+    if inst.opcode == "fusion" and inst.calls and inst.calls[0] in computations:
+        ops = {i.opcode for i in computations[inst.calls[0]].instructions}
+        main = sorted(ops & (MATMULS | COLLECTIVES)) or sorted(ops & {"reduce", "scatter", "gather", "dynamic-update-slice"}) or ["elementwise"]
+        operation = f"fusion: {'+'.join(main)}"
+    elif inst.opcode == "while":
+        operation = f"while x{inst.trip_count or '?'}"
+    colour = "lightgrey" if inst.opcode == "while" else "lightblue" if ops & MATMULS else "orange" if ops & COLLECTIVES else "white"
+    return f"{inst.name}\\n{operation}\\n{inst.shape}", colour
+
+
+def _is_shown(computation: Computation, inst: Instruction) -> bool:
+    return inst.opcode not in PASS_THROUGH or (computation.is_entry and inst.opcode == "parameter")
+
+
+def _computation_lines(computation: Computation, index: int, computations: dict[str, Computation]) -> list[str]:
+    """Nodes and edges of one computation; an edge through plumbing (PASS_THROUGH) is drawn from
+    the instruction that produced the value."""
+    by_name = {i.name: i for i in computation.instructions}
+
+    def producers(name: str, seen: tuple = ()) -> list[str]:
+        inst = by_name.get(name)
+        if inst is None or name in seen:
+            return []
+        if _is_shown(computation, inst):
+            return [name]
+        return [p for operand in inst.operands for p in producers(operand, seen + (name,))]
+
+    lines = []
+    for inst in computation.instructions:
+        if not _is_shown(computation, inst):
+            continue
+        label, colour = _label_and_colour(inst, computations)
+        lines.append(f'"{index}:{inst.name}" [label="{label}", fillcolor="{colour}"];')
+        for source in dict.fromkeys(p for operand in inst.operands for p in producers(operand)):
+            lines.append(f'"{index}:{source}" -> "{index}:{inst.name}";')
+    return lines
+
+
+def to_dot(text: str, title: str = "training step") -> str:
+    """Graphviz source for the optimized HLO `text` (Compiled.as_text())."""
+    computations = parse_hlo(text)
+    entry = next(c for c in computations.values() if c.is_entry)
+    shown = [(entry, None)]
+    for computation, _ in shown:  # while bodies, found breadth-first (the list grows)
+        for inst in computation.instructions:
+            if inst.opcode == "while" and inst.calls and inst.calls[0] in computations:
+                shown.append((computations[inst.calls[0]], inst.trip_count))
+    lines = [f'digraph "{title}" {{', "  rankdir=TB;", '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10];',
+             f'  label="{title}: optimized HLO (blue: matmuls, orange: collectives, dashed boxes: loop bodies)"; labelloc=t;']
+    for index, (computation, trip_count) in enumerate(shown):
+        body = _computation_lines(computation, index, computations)
+        if computation.is_entry:
+            lines += ["  " + line for line in body]
+        else:
+            lines += [f"  subgraph cluster_{index} {{", f'    label="while body {computation.name} (x{trip_count or "?"})"; style=dashed;']
+            lines += ["    " + line for line in body] + ["  }"]
+    lines.append("}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,72 @@
+"""Plots of one or several runs' metrics.jsonl against step, as one PNG: loss (train, and eval
+where the run logged eval_loss), learning rate, grad norm and tokens/s.
+
+    .venv/bin/python -m tools.plot_metrics runs/a [runs/b ...] [--output plot.png]
+
+A step logged twice (re-run after a crash, DESIGN.md) is plotted with its last value. Needs
+matplotlib (requirements-dev.txt).
+"""
+
+import argparse
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = [("loss", "loss"), ("learning_rate", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_second", "tokens/s")]
+
+
+def read_metrics(run_dir: str) -> dict[str, dict[int, float]]:
+    """{key: {step: value}} from run_dir/metrics.jsonl; later lines replace earlier ones."""
+    series: dict[str, dict[int, float]] = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            for key, value in record.items():
+                if key != "step" and isinstance(value, int | float):
+                    series.setdefault(key, {})[record["step"]] = float(value)
+    return series
+
+
+def plot(run_dirs: list[str], output: str):
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    for run_dir in run_dirs:
+        series = read_metrics(run_dir)
+        name = os.path.basename(os.path.normpath(run_dir))
+        for ax, (key, _) in zip(axes.flat, PANELS):
+            if key in series:
+                steps = sorted(series[key])
+                (line,) = ax.plot(steps, [series[key][s] for s in steps], label=name if key != "loss" else f"{name} train")
+                if key == "loss" and "eval_loss" in series:
+                    steps = sorted(series["eval_loss"])
+                    ax.plot(steps, [series["eval_loss"][s] for s in steps], "o--", color=line.get_color(), label=f"{name} eval")
+    for ax, (_, title) in zip(axes.flat, PANELS):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
+    parser.add_argument("--output", help="PNG to write (default: RUN_DIR/metrics.png of the first run)")
+    args = parser.parse_args(argv)
+    for run_dir in args.run_dirs:
+        if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            parser.error(f"{run_dir} has no metrics.jsonl")
+    output = args.output or os.path.join(args.run_dirs[0], "metrics.png")
+    plot(args.run_dirs, output)
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
