@@ -16,6 +16,7 @@ bfloat16 with float32 accumulation; every sum across devices in float32.
 """
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -95,6 +96,8 @@ class Config:
     dataset: DatasetConfig
     checkpoint_interval: int  # steps between checkpoints (0: only at the last step and on SIGTERM)
     checkpoints: CheckpointConfig
+    eval_interval: int  # steps between validation losses (0: only after the last step)
+    eval_batches: int  # validation batches 0..eval_batches-1 make eval_loss (0: no evaluation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +194,9 @@ def rope(x, position, base: float):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def attention(h: ModelConfig, x, w: Layer, mask, position):
-    """Grouped-query attention: Q query heads share each of the K kv heads (Ainslie et al. 2023)."""
+def attention_qkv(h: ModelConfig, x, w: Layer, position):
+    """The rotated queries and keys and the values of the tokens x (bfloat16). sample.py
+    writes k and v into its KV cache."""
     nx = save_for_backward(rms_norm(x, w.attn_norm, h.norm_eps).astype(jnp.bfloat16))
     # FSDP: gather this layer's weights over d in float32 (so that their gradients, the
     # transpose, are reduce-scattered in float32), then cast for the matmul.
@@ -204,7 +208,13 @@ def attention(h: ModelConfig, x, w: Layer, mask, position):
     v = save_for_backward(einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_v).astype(jnp.bfloat16))
     q = save_for_backward(rope(q, position, h.rope_base).astype(jnp.bfloat16))
     k = save_for_backward(rope(k, position, h.rope_base).astype(jnp.bfloat16))
+    return q, k, v
 
+
+def attention_output(h: ModelConfig, q, k, v, w: Layer, mask):
+    """Grouped-query attention (Ainslie et al. 2023) of queries q (length L) over keys and
+    values k, v (length S; the KV cache's length when sampling): Q query heads share each of
+    the K kv heads. mask: [B, L, S], True where a query may see a key."""
     logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (h.d_head**-0.5)
     logits = jnp.where(mask[:, None, None, :, :], logits, -1e30)  # every row keeps its diagonal
     logits = logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -216,6 +226,11 @@ def attention(h: ModelConfig, x, w: Layer, mask, position):
     w_o = all_gather("Q K/t D M/d -> Q K/t D M", w.w_o).astype(jnp.bfloat16)
     out = einsum_unreduced("B/d L Q K/t D, Q K/t D M -> B/d L M", o, w_o)  # partial over t
     return psum("B/d L M", out, "t")
+
+
+def attention(h: ModelConfig, x, w: Layer, mask, position):
+    q, k, v = attention_qkv(h, x, w, position)
+    return attention_output(h, q, k, v, w, mask)
 
 
 def feed_forward(h: ModelConfig, x, w: Layer):
@@ -237,28 +252,43 @@ def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, mask: bool_[
     return x + feed_forward(h, x, w)
 
 
+def embed_tokens(w: Model, inputs):
+    """The residual stream [B/d, L, M] (float32) of input tokens [B/d, L]."""
+    embed = all_gather("V/t M/d -> V/t M", w.embed)
+    return psum("B/d L M", index_unreduced("V/t M, B/d L -> B/d L M", embed, inputs), "t")
+
+
+def output_logits(h: ModelConfig, w: Model, x):
+    """Next-token logits [B/d, L, V/t] (float32, this device's slice of V) of the residual stream x."""
+    nx = rms_norm(x, w.final_norm, h.norm_eps).astype(jnp.bfloat16)
+    unembed = all_gather("M/d V/t -> M V/t", w.unembed).astype(jnp.bfloat16)
+    return einsum_unreduced("B/d L M, M V/t -> B/d L V/t", nx, unembed)
+
+
 @typechecked
-def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]) -> f32[b""]:
-    """This device's share of the mean next-token cross-entropy over the global batch's real
-    tokens (loss_mask is False on padding). Each document's first token is predicted from
-    input token 0, so every real token is a target."""
-    inputs = jnp.where(is_seq_start, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
+def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+    """Next-token logits at every position of packed documents. The input of a document's
+    first position is token 0 (begin of document)."""
     doc_id, position = document_positions(is_seq_start)
     # Causal and within one document (no attention across packed documents).
     mask = (doc_id[:, :, None] == doc_id[:, None, :]) & jnp.tril(jnp.ones((doc_id.shape[1],) * 2, dtype=bool))
-
-    embed = all_gather("V/t M/d -> V/t M", w.embed)
-    x = psum("B/d L M", index_unreduced("V/t M, B/d L -> B/d L M", embed, inputs), "t")
+    x = embed_tokens(w, inputs)
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
         return transformer_layer(h, x, layer_weights, mask, position), None
 
     x, _ = lax.scan(body, x, w.layers)
+    return output_logits(h, w, x)
 
-    nx = rms_norm(x, w.final_norm, h.norm_eps).astype(jnp.bfloat16)
-    unembed = all_gather("M/d V/t -> M V/t", w.unembed).astype(jnp.bfloat16)
-    logits = einsum_unreduced("B/d L M, M V/t -> B/d L V/t", nx, unembed)  # float32
+
+@typechecked
+def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]) -> f32[b""]:
+    """This device's share of the mean next-token cross-entropy over the global batch's real
+    tokens (loss_mask is False on padding). Each document's first token is predicted from
+    input token 0, so every real token is a target."""
+    inputs = jnp.where(is_seq_start, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
+    logits = forward(h, w, inputs, is_seq_start)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t.
     max_logit = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
@@ -340,6 +370,27 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, h: Confi
     return step_on_device(state, step, targets, is_seq_start, loss_mask)
 
 
+@partial(jax.jit, static_argnames=("h",))
+def eval_step(weights: Model, targets, is_seq_start, loss_mask, h: Config) -> jax.Array:
+    """The training loss of one batch (model_loss, the same function), without gradients or update."""
+
+    @typed_shard_map
+    def loss_on_device(w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]) -> f32[b""]:
+        return lax.psum(model_loss(h.model, w, targets, is_seq_start, loss_mask), "d")
+
+    return loss_on_device(weights, targets, is_seq_start, loss_mask)
+
+
+def evaluate(h: Config, weights: Model, loader) -> float:
+    """eval_loss: the mean of the losses of batches 0..eval_batches-1 of the validation loader,
+    the same batches at every evaluation, on any mesh and after any restart."""
+    losses = []
+    for i in range(h.eval_batches):
+        batch = loader.batch(i)
+        losses.append(eval_step(weights, batch.targets, batch.is_seq_start, batch.loss_mask, h))
+    return float(jnp.mean(jnp.stack(losses)))
+
+
 def init_state(h: Config, mesh) -> State:
     shardings = make_shardings(State, mesh)
 
@@ -379,6 +430,8 @@ def validate_config(h: Config, n_devices: int, max_token_id: int):
         raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
     if h.checkpoint_interval < 0:
         raise ConfigError(f"checkpoint_interval={h.checkpoint_interval} must be 0 (save only at the end and on SIGTERM) or a positive step count")
+    if h.eval_interval < 0 or h.eval_batches < 0:
+        raise ConfigError(f"eval_interval={h.eval_interval} and eval_batches={h.eval_batches} must not be negative (eval_batches=0 turns evaluation off)")
 
 
 def compile_training_step(h: Config, state: State, loader):
@@ -408,11 +461,23 @@ def memory_annotations(h: Config, mesh) -> tuple[list[str], jax.ShapeDtypeStruct
     return lines, jax.ShapeDtypeStruct((B // d, L, h.model.vocab // t), jnp.float32)
 
 
+def log_eval(log: training_io.RunLog, step: int, eval_loss: float):
+    """The line {"step": step, "eval_loss": ...}: the validation loss of the weights after
+    `step` steps (those of checkpoint `step`), in metrics.jsonl, TensorBoard and stdout."""
+    if not log.writes:
+        return
+    log.metrics_file.write(json.dumps({"step": step, "eval_loss": eval_loss}) + "\n")
+    log.metrics_file.flush()
+    log.tensorboard.add_scalar("eval_loss", eval_loss, step)
+    log.print(f"eval {step:6d}/{log.h.training.steps}  eval_loss {eval_loss:.4f}")
+
+
 def train(h: Config, resolved_yaml: str):
     dataset = open_flat_tokens(h.dataset.path)
     validate_config(h, jax.device_count(), dataset.max_token_id)
     mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     loader = make_loader(h.dataset, dataset, "train", h.training.tokens.batch, h.training.tokens.len, mesh)
+    eval_loader = make_loader(h.dataset, dataset, "validation", h.training.tokens.batch, h.training.tokens.len, mesh) if h.eval_batches else None
     run_dir = os.path.join(h.paths.root_working_dir, h.paths.model_name)
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), h.checkpoints)
     # Checkpoint N holds the state after N steps, so resuming from it runs step N next. A
@@ -440,6 +505,11 @@ def train(h: Config, resolved_yaml: str):
                     log.step(*pending)  # every step a checkpoint holds is logged before it commits
                     pending = None
                     checkpointer.save(done, state)  # returns after the device-to-host copy
+                if eval_loader is not None and (done == h.training.steps or (h.eval_interval > 0 and done % h.eval_interval == 0)):
+                    if pending is not None:
+                        log.step(*pending)  # lines stay in step order
+                        pending = None
+                    log_eval(log, done, evaluate(h, state.weights, eval_loader))
                 if preempted:
                     print(f"seqax: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
                     break
@@ -447,6 +517,8 @@ def train(h: Config, resolved_yaml: str):
                 log.step(*pending)
         finally:
             loader.close()  # stops the prefetch threads
+            if eval_loader is not None:
+                eval_loader.close()
             checkpointer.close()  # waits for the write in flight
     log.close()
     return state

@@ -111,7 +111,7 @@ def main():
         step_seconds = args.step_seconds
         if step_seconds is None and os.path.exists(args.train_metrics):
             with open(args.train_metrics) as f:
-                times = [json.loads(line)["step_time"] for line in f if line.strip()][2:]
+                times = [line["step_time"] for line in map(json.loads, filter(str.strip, f)) if "step_time" in line][2:]  # not eval lines
             step_seconds = statistics.median(times) if times else None
         if step_seconds is None:
             print(f"no training step time: run `make train-text` (it writes {args.train_metrics}) or pass --step-seconds", file=sys.stderr)

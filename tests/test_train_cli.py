@@ -30,7 +30,10 @@ def test_local_test_synthetic_learns_in_50_steps(dataset, tmp_path):
     result = run_train("+paths.model_name=smoke", f"paths.root_working_dir={tmp_path}", f"dataset.path={dataset}")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(l) for l in open(tmp_path / "smoke" / "metrics.jsonl")]
+    evals = [l for l in lines if "eval_loss" in l]
+    lines = [l for l in lines if "eval_loss" not in l]
     assert [l["step"] for l in lines] == list(range(50))
+    assert [l["step"] for l in evals] == [25, 50] and evals[1]["eval_loss"] < evals[0]["eval_loss"], evals  # eval_interval 25
     for l in lines:
         assert {"step", "loss", "learning_rate", "grad_norm"} <= set(l)
     assert lines[0]["loss"] - lines[49]["loss"] >= 1.0, (lines[0]["loss"], lines[49]["loss"])
