@@ -82,7 +82,7 @@ def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     """The bf16 x bf16 -> f32 matmul rate of the whole machine (FLOP/s, median), the
     denominator of CPU MFU: every local device multiplies its own n x n matrices at once, as in
     training, so simulated devices that share cores are measured sharing them. It is the rate of
-    the matmuls the model does; on some CPUs (Intel without AMX) f32 x f32 is faster."""
+    the matmuls the model does; on some CPUs f32 x f32 is faster (docs/observability.md)."""
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("all",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
@@ -118,22 +118,23 @@ def peak_flops() -> tuple[float | None, str]:
 def flops_check(compiled, m, seq_len: int, tokens_per_step: int) -> str:
     """The formula against XLA's count for the compiled step, as a line of text.
 
-    XLA's cost_analysis() counts the body of a while loop once, not once per iteration (seen on
-    jax 0.10.2: the flops of local_test_synthetic are 30.8, 30.9 and 31.0 GFLOP for 1, 2 and 4
-    layers), so the layer scan is counted as one layer: the comparable number is the formula
-    with layers=1. XLA counts a little more than the formula: elementwise work (1 FLOP per
-    element per op), the full L x L score matmuls where the formula takes the causal half, and
-    the recomputation of QK^T in the backward pass. For local_test_synthetic the gap is +3%."""
+    XLA's cost_analysis() counts the body of a while loop once, not once per iteration. Seen on
+    jax 0.10.2 for local_test_synthetic on one device: XLA says 30.8, 30.9 and 31.0 GFLOP per
+    step for 1, 2 and 4 layers, the formula 30.0, 51.9 and 95.8. So the layer scan counts as one
+    layer, and the comparable number is the formula with layers=1 (both ratios are printed, in
+    case a later XLA multiplies by the trip count). With one layer XLA counts a little more than
+    the formula, +3.0% for local_test_synthetic: the full L x L score matmuls where the formula
+    takes the causal half, plus QK^T recomputed in the backward pass (+0.9% together), and
+    elementwise work, 1 FLOP per element per operation (the rest)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     xla = float(cost.get("flops", 0.0)) * jax.device_count() if cost else 0.0
     formula = model_flops_per_token(m, seq_len) * tokens_per_step
     one_layer = model_flops_per_token(dataclasses.replace(m, layers=1), seq_len) * tokens_per_step
     if not xla:
-        return f"model FLOPs per step {formula / 1e9:.4g} GFLOP (formula); XLA gives no cost analysis on this backend"
-    return (f"model FLOPs per step {formula / 1e9:.4g} GFLOP (formula, {m.layers} layers), {one_layer / 1e9:.4g} GFLOP with 1 layer; "
-            f"XLA cost_analysis {xla / 1e9:.4g} GFLOP: XLA/formula {xla / formula:.3f}, XLA/formula with 1 layer {xla / one_layer:.3f} "
-            "(XLA counts a loop body once)")
+        return f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP; XLA gives no cost analysis on this backend"
+    return (f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); XLA cost_analysis "
+            f"{xla / 1e9:.4g} GFLOP = {xla / formula:.3f} x formula, {xla / one_layer:.3f} x formula with one layer (XLA counts a loop body once)")
 
 
 # ---------------------------------------------------------------------------------------------
