@@ -313,7 +313,20 @@ class Checkpointer:
             self._delete([s for s in newer if s not in complete])
         _barrier(f"seqax_checkpoint_discard_{step}")
 
-    def _read(self, step: int, names: list[str], targets: list, shardings: list) -> list[jax.Array]:
+    def read(self, step: int, shapes, shardings):
+        """Checkpoint `step` as a tree like `shapes` (which may hold only some of its arrays, by
+        name, e.g. {"weights": model} of a State), placed with `shardings`. Read only: unlike
+        restore(), it moves and deletes nothing, so it is safe beside a running training."""
+        if step not in self.complete_steps():
+            raise CheckpointError(f"{self.step_dir(step)} is not a committed checkpoint; the committed steps are {self.complete_steps()}")
+        names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
+        try:
+            leaves = self._read(step, names, jax.tree.leaves(shapes), treedef.flatten_up_to(shardings), subset=True)
+        except CorruptCheckpoint as e:
+            raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {e}") from e
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _read(self, step: int, names: list[str], targets: list, shardings: list, subset: bool = False) -> list[jax.Array]:
         path = self.step_dir(step)
         attributes = self._attributes(step)
         if attributes.get("format_version") != FORMAT_VERSION or attributes.get("step") != step:
@@ -321,7 +334,7 @@ class Checkpointer:
                                   f"this program reads format_version {FORMAT_VERSION} only")
         stored = attributes.get("arrays", [])
         missing, extra = sorted(set(names) - set(stored)), sorted(set(stored) - set(names))
-        if missing or extra:
+        if missing or (extra and not subset):
             raise CheckpointError(f"checkpoint {path} does not hold this state: arrays missing {missing}, unexpected {extra}; "
                                   "restore with the model it was written with or use a new paths.model_name")
         arrays = {}

@@ -1,0 +1,216 @@
+"""Text from a checkpoint, generated with an explicit KV cache.
+
+    python -m sample --run-dir runs/RUN --prompt "def " [--step N] [--max-new-tokens 200]
+        [--temperature 0.8] [--top-k 40] [--seed 0] [--num-samples 4] [--mesh-d D --mesh-t T]
+
+The run's config.yaml gives the model and the dataset, whose tokenizer encodes the prompt and
+decodes the samples. A sample is a new document: its inputs are token 0 (begin of document),
+then the prompt's tokens, then each generated token. Prefill runs the prompt through the model
+once and fills the cache; then every step feeds one token per sample and appends its keys and
+values. The model's math is train.py's own (embed_tokens, attention_qkv, attention_output,
+feed_forward, output_logits); only where keys and values come from differs.
+
+Sharding: samples over `d` (padded up to a multiple of it), heads, d_ff and vocabulary over
+`t`, as in training; the cache is typed like the weights, so its size per device is visible
+and printed. Temperature 0 is greedy decoding. Sampling draws every sample's token from a key
+of (seed, generated position, sample index), so a seeded sample is the same on any mesh and
+for any --num-samples.
+"""
+
+import argparse
+import math
+import os
+import sys
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from omegaconf import OmegaConf
+
+import train
+from checkpoint import Checkpointer
+from flat_tokens import DatasetError
+from jax_extra import ConfigError, config_from_dict
+from shardlib.shardtypes import Array, bf16, f32, make_shardings, pytree_dataclass, typechecked, typed_shard_map, u32
+from tools.tokenizer import TokenizerError, dataset_tokenizer
+
+
+@pytree_dataclass
+class KVCache:
+    """Keys (after RoPE) and values of every layer at cache positions S (one per input token)."""
+
+    k: Array[b"layers", bf16[b"B/d S K/t D"]]
+    v: Array[b"layers", bf16[b"B/d S K/t D"]]
+
+
+def init_cache(h: train.ModelConfig, batch: int, length: int, mesh) -> KVCache:
+    @partial(jax.jit, out_shardings=make_shardings(KVCache, mesh))
+    def zeros():
+        shape = (h.layers, batch, length, h.n_kv, h.d_head)
+        return KVCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
+
+    return zeros()
+
+
+@typechecked
+def forward_cached(h: train.ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
+    """Runs inputs at cache positions [start, start + L): writes their keys and values into the
+    cache and attends over the cache up to each position. Returns the logits of the last input."""
+    B, L = inputs.shape
+    S = cache.k.shape[2]
+    position = start + jnp.arange(L, dtype=jnp.uint32)  # one document per row: RoPE position = cache position
+    # Causal over the cache; positions after the last written one are masked out.
+    mask = jnp.broadcast_to(jnp.arange(S, dtype=jnp.uint32)[None, :] <= position[:, None], (B, L, S))
+    position = jnp.broadcast_to(position, (B, L))
+    x = train.embed_tokens(w, inputs)
+
+    def layer(x, weights_and_cache):
+        w_layer, k_cache, v_cache = weights_and_cache
+        q, k, v = train.attention_qkv(h, x, w_layer, position)
+        k_cache = lax.dynamic_update_slice_in_dim(k_cache, k, start, axis=1)  # B S K D
+        v_cache = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
+        x = x + train.attention_output(h, q, k_cache, v_cache, w_layer, mask)
+        return x + train.feed_forward(h, x, w_layer), (k_cache, v_cache)
+
+    x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))
+    return train.output_logits(h, w, x[:, -1:])[:, 0], KVCache(k, v)
+
+
+def choose_tokens(logits, key, index, temperature: float, top_k: int, max_token_id: int):
+    """Next tokens [B] from logits [B, V]: argmax at temperature 0, else a draw from
+    softmax(logits / temperature) over the top_k largest (top_k 0: all). Only ids the data can
+    hold are chosen (1..max_token_id: 0 is the begin-of-document input, never a target)."""
+    ids = jnp.arange(logits.shape[-1])
+    logits = jnp.where((ids >= 1) & (ids <= max_token_id), logits, -jnp.inf)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.uint32)
+    logits = logits / temperature
+    if top_k:
+        kth = lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits >= kth, logits, -jnp.inf)
+    step_key = jax.random.fold_in(key, index)
+    keys = jax.vmap(partial(jax.random.fold_in, step_key))(jnp.arange(logits.shape[0], dtype=jnp.uint32))
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.uint32)
+
+
+@partial(jax.jit, static_argnames=("h", "temperature", "top_k", "max_token_id"), donate_argnames=("cache",))
+def decode_step(weights, cache, inputs, start, key, index, h: train.ModelConfig, temperature: float, top_k: int, max_token_id: int):
+    """Prefill (L = prompt length + 1) or one decoding step (L = 1): (next tokens [B, 1], cache)."""
+
+    @typed_shard_map
+    def on_device(w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
+        return forward_cached(h, w, cache, inputs, start)
+
+    logits, cache = on_device(weights, cache, inputs, start)
+    return choose_tokens(logits, key, index, temperature, top_k, max_token_id)[:, None], cache
+
+
+def generate(h: train.ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None, verbose: bool = False) -> np.ndarray:
+    """max_new_tokens tokens [num_samples, max_new_tokens] after the prompt's ids."""
+    d = mesh.shape["d"]
+    batch = math.ceil(num_samples / d) * d
+    inputs = np.tile(np.array([0, *prompt], np.uint32), (batch, 1))
+    length = inputs.shape[1] + max_new_tokens - 1  # the last token generated is never an input
+    with jax.set_mesh(mesh):
+        cache = init_cache(h, batch, length, mesh)
+        if verbose:
+            shard = cache.k.sharding.shard_shape(cache.k.shape)
+            print(f"KV cache: 2 x bf16{list(cache.k.shape)} (layers B S K D), per device 2 x bf16{list(shard)} = "
+                  f"{2 * math.prod(shard) * 2 / 2**20:.2f} MiB", file=sys.stderr)
+        settings = dict(h=h, temperature=float(temperature), top_k=int(top_k), max_token_id=int(h.vocab - 1 if max_token_id is None else max_token_id))
+        key = jax.random.key(seed)
+        tokens = jax.device_put(inputs, NamedSharding(mesh, P("d", None)))
+        start, out = 0, []
+        for i in range(max_new_tokens):
+            step_inputs = tokens
+            tokens, cache = decode_step(weights, cache, step_inputs, jnp.uint32(start), key, jnp.uint32(i), **settings)
+            start += step_inputs.shape[1]
+            out.append(tokens)
+        return np.concatenate(jax.device_get(out), axis=1)[:num_samples]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading a run.
+
+
+def load_config(run_dir: str) -> train.Config:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist; --run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
+    return config_from_dict(train.Config, OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+
+
+def default_mesh_shape(h: train.ModelConfig, devices: int) -> tuple[int, int]:
+    """(d, t): the most tensor parallelism that divides the heads, d_ff and vocabulary."""
+    t = max(t for t in range(1, devices + 1) if devices % t == 0 and h.n_kv % t == 0 and h.d_ff % t == 0 and h.vocab % t == 0)
+    return devices // t, t
+
+
+def make_mesh(h: train.ModelConfig, d: int | None, t: int | None):
+    n = jax.device_count()
+    if d is None or t is None:
+        d, t = default_mesh_shape(h, n)
+    if d * t != n:
+        raise ConfigError(f"--mesh-d {d} x --mesh-t {t} must equal the {n} devices")
+    for name, value, axis, size in (("d_model", h.d_model, "d", d), ("n_kv", h.n_kv, "t", t), ("d_ff", h.d_ff, "t", t), ("vocab", h.vocab, "t", t)):
+        if value % size:
+            raise ConfigError(f"model.{name}={value} is not divisible by mesh {axis}={size}; choose --mesh-d/--mesh-t that divide it")
+    return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def load_weights(run_dir: str, h: train.Config, mesh, step: int | None = None) -> tuple[int, train.Model]:
+    """The weights of checkpoint `step` (default: the newest committed one), read only."""
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), h.checkpoints)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(f"{run_dir}/checkpoints holds no committed checkpoint")
+        shapes = {"weights": jax.eval_shape(lambda: train.init_weights(h.model, jax.random.key(0)))}
+        return step, checkpointer.read(step, shapes, {"weights": make_shardings(train.Model, mesh)})["weights"]
+    finally:
+        checkpointer.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run-dir", required=True, help="a run directory: config.yaml and checkpoints/")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--prompt", default="", help="text the samples continue (default: none, a document from its start)")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--dataset", help="the flat-tokens dataset whose tokenizer to use (default: the run's dataset.path)")
+    parser.add_argument("--mesh-d", type=int, help="devices over samples (with --mesh-t; default: the most t that fits)")
+    parser.add_argument("--mesh-t", type=int, help="devices over heads, d_ff and vocabulary")
+    args = parser.parse_args(argv)
+    try:
+        if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
+            raise ConfigError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k not negative")
+        h = load_config(args.run_dir)
+        tokenizer = dataset_tokenizer(args.dataset or h.dataset.path)
+        prompt = [int(i) for i in tokenizer.encode([args.prompt])[0] if int(i) != tokenizer.eos_id]
+        mesh = make_mesh(h.model, args.mesh_d, args.mesh_t)
+        step, weights = load_weights(args.run_dir, h, mesh, args.step)
+        print(f"checkpoint {step} of {args.run_dir}, mesh d={mesh.shape['d']} t={mesh.shape['t']}, prompt of {len(prompt)} tokens", file=sys.stderr)
+        top_k = min(args.top_k, h.model.vocab)
+        tokens = generate(h.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed,
+                          max_token_id=tokenizer.vocab_size - 1, verbose=True)
+    except (ConfigError, DatasetError, TokenizerError) as e:
+        print(f"seqax: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for i, row in enumerate(tokens):
+        if tokenizer.eos_id is not None and tokenizer.eos_id in row:
+            row = row[: list(row).index(tokenizer.eos_id)]  # the document ended there
+        print(f"--- sample {i}")
+        print(args.prompt + tokenizer.decode(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

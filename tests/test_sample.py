@@ -1,0 +1,116 @@
+"""sample.py: greedy decoding with the KV cache picks exactly the tokens that full forward passes
+without a cache pick; seeded sampling is reproducible; the command line prints text from a
+trained byte-level run."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+import sample
+import train
+from model_fixtures import load_config, make_mesh, tiny_config
+from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[], [5, 17, 3], [200, 9, 9, 41, 77, 130, 2, 8, 250, 64, 11]]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    h = tiny_config("model.n_kv=2")
+    return h.model, jax.device_get(train.init_weights(h.model, jax.random.key(0)))
+
+
+def greedy_without_cache(h: train.ModelConfig, weights, mesh, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding by a full forward pass (train.forward, the training model) over the whole
+    sequence for every new token. The sequence is padded to one length: causal attention keeps
+    the padding from changing the logits of the positions before it."""
+    d = mesh.shape["d"]
+    length = len(prompt) + 1 + steps
+    starts = np.zeros((d, length), bool)
+    starts[:, 0] = True
+
+    @jax.jit
+    @typed_shard_map
+    def logits_of(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+        return train.forward(h, w, inputs, is_seq_start)
+
+    sequence = [0, *prompt]
+    with jax.set_mesh(mesh):
+        w = jax.device_put(weights, make_shardings(train.Model, mesh))
+        for _ in range(steps):
+            inputs = np.zeros((d, length), np.uint32)
+            inputs[:, : len(sequence)] = sequence
+            logits = np.array(logits_of(w, inputs, starts)[0, len(sequence) - 1])
+            logits[0] = -np.inf  # 0 is never a target; sample.py does not choose it either
+            sequence.append(int(np.argmax(logits)))
+    return sequence[len(prompt) + 1 :]
+
+
+@pytest.mark.parametrize("d,t", [(1, 1), (4, 2)])
+def test_greedy_with_kv_cache_matches_full_forward_passes(model, d, t):
+    h, weights = model
+    mesh = make_mesh(d, t)
+    w = jax.device_put(weights, make_shardings(train.Model, mesh))
+    for prompt in PROMPTS:
+        expected = greedy_without_cache(h, weights, mesh, prompt, NEW_TOKENS)
+        tokens = sample.generate(h, w, mesh, prompt, num_samples=3, max_new_tokens=NEW_TOKENS)
+        assert tokens.shape == (3, NEW_TOKENS)
+        for row in tokens:
+            assert row.tolist() == expected, (prompt, row.tolist(), expected)
+
+
+def test_seeded_sample_is_reproducible(model):
+    h, weights = model
+    mesh = make_mesh(4, 2)
+    w = jax.device_put(weights, make_shardings(train.Model, mesh))
+    draw = lambda seed, n: sample.generate(h, w, mesh, [7, 8, 9], num_samples=n, max_new_tokens=8, temperature=1.0, top_k=50, seed=seed)  # noqa: E731
+    first = draw(3, 5)
+    assert np.array_equal(first, draw(3, 5))
+    assert np.array_equal(first[:2], draw(3, 2))  # a sample does not depend on how many are drawn
+    assert not np.array_equal(first, draw(4, 5))
+    assert len({tuple(row) for row in first}) > 1  # the samples of one call differ
+
+
+def test_choose_tokens_keeps_to_top_k_and_valid_ids():
+    logits = jnp.array([[9.0, 1.0, 5.0, 4.0, 3.0, 8.0]] * 64)
+    chosen = np.asarray(sample.choose_tokens(logits, jax.random.key(0), jnp.uint32(0), temperature=1.0, top_k=2, max_token_id=4))
+    assert set(chosen.tolist()) == {2, 3}  # 0 is not a target and 5 is above max_token_id
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A tiny byte-level model trained for 40 steps on this repository's docs."""
+    root = tmp_path_factory.mktemp("text")
+    data = str(root / "docs.zarr")
+    cmd = [sys.executable, "-m", "tools.prepare_dataset", os.path.join(ROOT, "docs"), os.path.join(ROOT, "README.md"), "--suffixes", ".md",
+           "--txt-documents", "paragraph", "--validation-documents", "8", "--output", data]
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    h = load_config("local_test_text", [
+        "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=264", "training.tokens.batch=8", "training.tokens.len=64",
+        "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", f"dataset.path={data}",
+        "dataset.streams=1", f"paths.root_working_dir={root}", "+paths.model_name=text"])
+    train.train(h, OmegaConf.to_yaml(dataclasses.asdict(h)))
+    return str(root / "text")
+
+
+def test_command_line_prints_text(text_run, capsys):
+    sample.main(["--run-dir", text_run, "--prompt", "The ", "--max-new-tokens", "40", "--num-samples", "2",
+                 "--temperature", "0.7", "--top-k", "10", "--seed", "1"])
+    out = capsys.readouterr().out
+    texts = out.split("--- sample ")[1:]
+    assert len(texts) == 2, out
+    for text in texts:
+        body = text.split("\n", 1)[1]
+        assert body.startswith("The ") and len(body) > len("The \n"), body
+        text_like = sum(c.isprintable() and c != "\ufffd" or c in "\n\t" for c in body)  # \ufffd: a byte that is not UTF-8
+        assert text_like >= 0.9 * len(body), body
+    print(out, file=sys.stderr)
