@@ -286,7 +286,12 @@ class RunLog:
         # The first step after the first one of this process, so that nothing waits for a compile.
         self.profiled = range(start + 1, min(start + 1 + profiled_steps, h.training.steps)) if self.writes else range(0)
         self.recent_step_times = collections.deque(maxlen=20)
-        self.last_time, self.paused, self.dot_process, self.tracing = None, 0.0, None, False
+        # A step's time runs from when it can start (its dispatch, or the end of the step before
+        # if that is later) to when it ends (its scalars are read, or the profiler waited for it),
+        # so host work between steps (evaluation, a checkpoint's copy, the profile) is not in it.
+        self.dispatched: dict[int, float] = {}
+        self.finished: dict[int, float] = {}
+        self.last_end, self.dot_process, self.tracing = 0.0, None, False
         if not self.writes:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -350,21 +355,19 @@ class RunLog:
     def before_step(self, step: int, state):
         """Call before dispatching `step`: starts the profiler trace before the first profiled
         step, once the step before it has finished."""
-        if self.last_time is None:
-            self.last_time = time.perf_counter()
         if self.profiled and step == self.profiled[0]:
             jax.block_until_ready(state)
             jax.profiler.start_trace(os.path.join(self.run_dir, "profile"), create_perfetto_trace=True)
             self.tracing = True
+        self.dispatched[step] = time.perf_counter()
 
     def after_step(self, step: int, metrics):
         """Call after dispatching `step`: stops the trace once the last profiled step is done."""
         if self.profiled and step == self.profiled[-1]:
             jax.block_until_ready(metrics)
-            started = time.perf_counter()
+            self.finished[step] = time.perf_counter()
             jax.profiler.stop_trace()
             self.tracing = False
-            self.paused += time.perf_counter() - started  # the device idles: not a step's time
             self.print(f"profile of steps {self.profiled[0]}-{step} written to {os.path.join(self.run_dir, 'profile')} "
                        "(perfetto_trace.json.gz opens in https://ui.perfetto.dev)")
             self.profiled = range(0)
@@ -372,8 +375,9 @@ class RunLog:
     def step(self, step: int, metrics):
         """Reads the step's scalars (waiting for that step only) and writes its line."""
         values = {k: float(v) for k, v in jax.device_get(vars(metrics)).items()}
-        now = time.perf_counter()
-        step_time, self.last_time, self.paused = now - self.last_time - self.paused, now, 0.0
+        end = self.finished.pop(step, time.perf_counter())
+        step_time = max(end - max(self.last_end, self.dispatched.pop(step, end)), 1e-9)
+        self.last_end = end
         if not self.writes:
             return
         self.recent_step_times.append(step_time)
