@@ -1,0 +1,138 @@
+"""A checkpoint as a Hugging Face Llama model directory (config.json, model.safetensors and,
+when the dataset was tokenized with a tokenizer.json, the tokenizer), which
+`transformers.LlamaForCausalLM.from_pretrained(DIR)` loads with every weight used.
+
+    python -m tools.export_hf --run-dir runs/RUN [--step N] --output hf_model/
+
+The architectures agree: pre-RMSNorm, grouped-query attention with RoPE in the rotate-half
+layout (HF's `rotate_half` pairs dims i and i + D/2 with rate base^(-2i/D), as train.rope), SwiGLU,
+final RMSNorm, untied unembedding. The weights map one to one, transposed to torch's
+[out, in] layout. Heads: HF's `repeat_kv` gives query head h the kv head h // Q, so seqax's query
+head (q, k) is HF head k * Q + q. Weights are written in float32, as trained; seqax runs its
+matmuls with bfloat16 operands, so logits agree to bfloat16 rounding, not exactly.
+
+Token ids are seqax's: a tokenizer's id + 1, with 0 the begin-of-document input (bos_token_id 0).
+The exported tokenizer.json is the dataset's with every id shifted by one and a `<seqax_bos>`
+token at 0, so that it encodes to the ids the model was trained on. A bytes-tokenized dataset
+has no tokenizer file to export: its ids are UTF-8 byte + 1 (257 ends a document).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import zarr
+
+import sample
+from flat_tokens import DatasetError
+from jax_extra import ConfigError
+
+BOS_TOKEN = "<seqax_bos>"
+
+
+def hf_tensors(w, h) -> dict[str, np.ndarray]:
+    """HF Llama parameter names -> float32 arrays, from train.Model numpy weights `w`."""
+    M, Q, K, D = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head
+    out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.unembed.T}
+    layers = w.layers
+    for i in range(h.layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": layers.attn_norm[i],
+            # [M, Q, K, D] -> [K, Q, D, M] -> [(k q d), M]: HF head k * Q + q.
+            p + "self_attn.q_proj.weight": layers.w_q[i].transpose(2, 1, 3, 0).reshape(K * Q * D, M),
+            p + "self_attn.k_proj.weight": layers.w_k[i].reshape(M, K * D).T,
+            p + "self_attn.v_proj.weight": layers.w_v[i].reshape(M, K * D).T,
+            # [Q, K, D, M] -> [M, K, Q, D] -> [M, (k q d)].
+            p + "self_attn.o_proj.weight": layers.w_o[i].transpose(3, 1, 0, 2).reshape(M, K * Q * D),
+            p + "post_attention_layernorm.weight": layers.ffn_norm[i],
+            p + "mlp.gate_proj.weight": layers.w_gate[i].T,
+            p + "mlp.up_proj.weight": layers.w_up[i].T,
+            p + "mlp.down_proj.weight": layers.w_down[i].T,
+        }
+    return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
+
+
+def hf_config(h, max_positions: int, eos_id: int | None) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": h.vocab, "hidden_size": h.d_model,
+        "intermediate_size": h.d_ff, "num_hidden_layers": h.layers, "num_attention_heads": h.n_q_per_kv * h.n_kv,
+        "num_key_value_heads": h.n_kv, "head_dim": h.d_head, "hidden_act": "silu", "rms_norm_eps": h.norm_eps,
+        "rope_theta": h.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": h.rope_base},
+        "max_position_embeddings": max_positions, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": eos_id, "torch_dtype": "float32", "dtype": "float32",
+    }
+
+
+def shifted_tokenizer_json(text: str) -> dict:
+    """The tokenizer.json with every id + 1 and BOS_TOKEN at id 0 (seqax's ids)."""
+    tok = json.loads(text)
+    model = tok["model"]
+    if isinstance(model.get("vocab"), dict):  # BPE, WordPiece, WordLevel
+        model["vocab"] = {BOS_TOKEN: 0, **{t: i + 1 for t, i in model["vocab"].items()}}
+    elif isinstance(model.get("vocab"), list):  # Unigram: [token, score] by id
+        model["vocab"] = [[BOS_TOKEN, 0.0], *model["vocab"]]
+        if model.get("unk_id") is not None:
+            model["unk_id"] += 1
+    else:
+        raise ValueError(f"tokenizer model type {model.get('type')!r} has no vocabulary to shift")
+    added = [{**t, "id": t["id"] + 1} for t in tok.get("added_tokens") or []]
+    tok["added_tokens"] = [{"id": 0, "content": BOS_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True}, *added]
+    for special in ((tok.get("post_processor") or {}).get("special_tokens") or {}).values():
+        special["ids"] = [i + 1 for i in special.get("ids", [])]
+    return tok
+
+
+def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None) -> int:
+    """Writes the HF model directory; returns the checkpoint step exported."""
+    h = sample.load_config(run_dir)
+    mesh = sample.make_mesh(h.model, None, None)
+    step, weights = sample.load_weights(run_dir, h, mesh, step)
+    weights = jax.device_get(weights)
+    dataset = dataset or h.dataset.path
+    if not os.path.isdir(dataset):
+        raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
+    attrs = dict(zarr.open_group(dataset, mode="r").attrs).get("tokenizer", {})
+    from safetensors.numpy import save_file
+
+    os.makedirs(output, exist_ok=True)
+    save_file(hf_tensors(weights, h.model), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(hf_config(h.model, max(h.training.tokens.len, 2048), attrs.get("eos_id")), f, indent=2)
+    with open(os.path.join(output, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": attrs.get("eos_id"), "decoder_start_token_id": 0}, f, indent=2)
+    if attrs.get("kind") == "tokenizers":
+        group = zarr.open_group(dataset, mode="r")
+        text = group[attrs["stored_as"]][:].tobytes().decode("utf-8")
+        with open(os.path.join(output, "tokenizer.json"), "w") as f:
+            json.dump(shifted_tokenizer_json(text), f, ensure_ascii=False)
+        eos = attrs.get("eos_token")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": h.training.tokens.len}
+        if eos:
+            config["eos_token"] = eos
+        with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+    return step
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    parser.add_argument("--output", required=True, help="the HF model directory to write")
+    parser.add_argument("--dataset", help="the run's dataset, for its tokenizer (default: the run's dataset.path)")
+    args = parser.parse_args(argv)
+    try:
+        step = export(args.run_dir, args.output, args.step, args.dataset)
+    except (ConfigError, DatasetError, ValueError) as e:
+        print(f"seqax: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote checkpoint {step} of {args.run_dir} to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
