@@ -183,7 +183,7 @@ def residual_size(line: str) -> tuple[str, int]:
     """('bf16[16,64,256]', bytes) of a print_saved_residuals line."""
     dtype, dims = _RESIDUAL.match(line).groups()
     shape = [int(d) for d in dims.split(",") if d]
-    itemsize = jnp.dtype({"bf16": "bfloat16", "f32": "float32", "f16": "float16", "bool": "bool"}.get(dtype, dtype)).itemsize
+    itemsize = 1 if dtype == "bool" else int(re.search(r"\d+$", dtype).group()) // 8  # bf16, f32, u32, ...
     return f"{dtype}[{dims}]", math.prod(shape) * itemsize
 
 
@@ -279,7 +279,7 @@ class RunLog:
     after it. Only process 0 prints and writes."""
 
     def __init__(self, run_dir: str, resolved_yaml: str, h, start: int, profiled_steps: int = 2):
-        self.run_dir, self.h, self.start = run_dir, h, start
+        self.run_dir, self.h = run_dir, h
         self.writes = jax.process_index() == 0
         self.tokens_per_step = h.training.tokens.batch * h.training.tokens.len
         self.flops_per_token = model_flops_per_token(h.model, h.training.tokens.len)
@@ -332,7 +332,12 @@ class RunLog:
     def _write_hlo(self, hlo_text: str):
         path = lambda suffix: os.path.join(self.run_dir, f"training_step.{suffix}")  # noqa: E731
         self.write("training_step.hlo.txt", hlo_text)
-        self.write("training_step.dot", hlo_graph.to_dot(hlo_text, "training_step"))
+        try:
+            graph = hlo_graph.to_dot(hlo_text, "training_step")
+        except Exception as e:  # a picture must not stop a run, e.g. if a new XLA prints HLO differently
+            warn(f"could not draw the HLO graph of training_step.hlo.txt: {e!r}")
+            return
+        self.write("training_step.dot", graph)
         if shutil.which("dot") is None:
             warn("graphviz's `dot` is not installed, so there is no training_step.svg (training_step.dot is written); "
                  "install it with `apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz`")
