@@ -18,6 +18,7 @@ for any --num-samples.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
 import train
-from checkpoint import Checkpointer
+from checkpoint import CheckpointConfig, Checkpointer
 from flat_tokens import DatasetError
 from jax_extra import ConfigError, config_from_dict
 from shardlib.shardtypes import Array, bf16, f32, make_shardings, pytree_dataclass, typechecked, typed_shard_map, u32
@@ -138,11 +139,29 @@ def generate(h: train.ModelConfig, weights: train.Model, mesh, prompt: list[int]
 # Loading a run.
 
 
-def load_config(run_dir: str) -> train.Config:
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What sampling and export need of a run's config.yaml. Only these sections are read, so
+    runs written before a training-only key was added still load."""
+
+    model: train.ModelConfig
+    checkpoints: CheckpointConfig
+    dataset_path: str
+    seq_len: int  # training.tokens.len
+
+
+def load_config(run_dir: str) -> RunConfig:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist; --run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
-    return config_from_dict(train.Config, OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    try:
+        dataset_path, seq_len = cfg["dataset"]["path"], cfg["training"]["tokens"]["len"]
+        model, checkpoints = cfg["model"], cfg["checkpoints"]
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path} lacks {e}; it is not a seqax run's config") from None
+    model, checkpoints = config_from_dict(train.ModelConfig, model, "model."), config_from_dict(CheckpointConfig, checkpoints, "checkpoints.")
+    return RunConfig(model, checkpoints, dataset_path, seq_len)
 
 
 def default_mesh_shape(h: train.ModelConfig, devices: int) -> tuple[int, int]:
@@ -163,7 +182,7 @@ def make_mesh(h: train.ModelConfig, d: int | None, t: int | None):
     return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-def load_weights(run_dir: str, h: train.Config, mesh, step: int | None = None) -> tuple[int, train.Model]:
+def load_weights(run_dir: str, h: RunConfig, mesh, step: int | None = None) -> tuple[int, train.Model]:
     """The weights of checkpoint `step` (default: the newest committed one), read only."""
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), h.checkpoints)
     try:
@@ -194,7 +213,7 @@ def main(argv=None):
         if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
             raise ConfigError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k not negative")
         h = load_config(args.run_dir)
-        tokenizer = dataset_tokenizer(args.dataset or h.dataset.path)
+        tokenizer = dataset_tokenizer(args.dataset or h.dataset_path)
         prompt = [int(i) for i in tokenizer.encode([args.prompt])[0] if int(i) != tokenizer.eos_id]
         mesh = make_mesh(h.model, args.mesh_d, args.mesh_t)
         step, weights = load_weights(args.run_dir, h, mesh, args.step)

@@ -93,7 +93,7 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     mesh = sample.make_mesh(h.model, None, None)
     step, weights = sample.load_weights(run_dir, h, mesh, step)
     weights = jax.device_get(weights)
-    dataset = dataset or h.dataset.path
+    dataset = dataset or h.dataset_path
     if not os.path.isdir(dataset):
         raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
     attrs = dict(zarr.open_group(dataset, mode="r").attrs).get("tokenizer", {})
@@ -102,7 +102,7 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     os.makedirs(output, exist_ok=True)
     save_file(hf_tensors(weights, h.model), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(hf_config(h.model, max(h.training.tokens.len, 2048), attrs.get("eos_id")), f, indent=2)
+        json.dump(hf_config(h.model, max(h.seq_len, 2048), attrs.get("eos_id")), f, indent=2)
     with open(os.path.join(output, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": attrs.get("eos_id"), "decoder_start_token_id": 0}, f, indent=2)
     if attrs.get("kind") == "tokenizers":
@@ -111,7 +111,7 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         with open(os.path.join(output, "tokenizer.json"), "w") as f:
             json.dump(shifted_tokenizer_json(text), f, ensure_ascii=False)
         eos = attrs.get("eos_token")
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": h.training.tokens.len}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": h.seq_len}
         if eos:
             config["eos_token"] = eos
         with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
