@@ -34,6 +34,7 @@ from checkpoint import CheckpointConfig, Checkpointer, PreemptionWatch
 from data_loader import DatasetConfig, make_loader
 from flat_tokens import DatasetError, open_flat_tokens
 from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
+from multihost import DistributedConfig, console_name, initialize_distributed
 from shardlib.shardops import all_gather, einsum_unreduced, index_unreduced, psum
 from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
 
@@ -98,6 +99,7 @@ class Config:
     checkpoints: CheckpointConfig
     eval_interval: int  # steps between validation losses (0: only after the last step)
     eval_batches: int  # validation batches 0..eval_batches-1 make eval_loss (0: no evaluation)
+    distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -511,7 +513,7 @@ def train(h: Config, resolved_yaml: str):
                         pending = None
                     log_eval(log, done, evaluate(h, state.weights, eval_loader))
                 if preempted:
-                    print(f"seqax: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
+                    print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
                     break
             if pending is not None:
                 log.step(*pending)
@@ -528,10 +530,19 @@ def train(h: Config, resolved_yaml: str):
 def main(cfg: DictConfig):
     try:
         h = config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
+        initialize_distributed(h.distributed)  # before any other JAX call
         train(h, OmegaConf.to_yaml(cfg, resolve=True))
     except (ConfigError, DatasetError) as e:
-        print(f"seqax: error: {e}", file=sys.stderr)
+        print(f"{console_name()}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() == 1:
+            raise
+        # A collective whose peer died fails here (its connection is reset, or it times out).
+        first = str(e).strip().splitlines()[0]
+        print(f"{console_name()}: error: {first}; with {jax.process_count()} processes this usually means that another process "
+              "died (see its log)", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: jax.distributed's shutdown would wait for the dead process at exit
 
 
 if __name__ == "__main__":

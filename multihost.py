@@ -1,0 +1,105 @@
+"""Several processes, one per host, on JAX's own multi-controller runtime (`jax.distributed`):
+whether a run joins others and with which settings, from the `distributed:` config section, the
+usual environment variables, or the cluster (SLURM, Open MPI, TPU pods). docs/multi-host.md
+has the recipes; tools/launch_local.py runs N processes on one machine.
+
+Every process runs the same program on its own devices; the mesh spans the devices of all of
+them, and each process loads, computes and writes only what its devices hold.
+"""
+
+import dataclasses
+import os
+
+import jax
+
+from jax_extra import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """The `distributed:` section of the training config. Empty values mean: the environment
+    variable, else what JAX detects on the cluster; with nothing set the run is one process."""
+
+    coordinator_address: str  # "host:port" of process 0; "": $JAX_COORDINATOR_ADDRESS, else detected
+    num_processes: int  # 0: $JAX_NUM_PROCESSES, else the cluster's task count, else 1 (no jax.distributed)
+    process_id: int  # -1: $JAX_PROCESS_ID, else detected
+    initialization_timeout_seconds: int  # how long a process waits for all the others to connect
+    heartbeat_timeout_seconds: int  # a process silent this long is dead: the others stop with an error
+
+
+class DistributedError(ConfigError):
+    """The processes could not form a run (bad settings, or a peer that never connected)."""
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"${name}={value!r} must be an integer") from None
+
+
+def cluster_process_count() -> int | None:
+    """How many processes the cluster started, read from the variables by which JAX's auto-detection
+    recognizes it: SLURM (one task per host), Open MPI (mpirun), TPU VMs of a pod or multislice."""
+    env = os.environ
+    if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")):
+        return _env_int("SLURM_NTASKS")
+    if "OMPI_MCA_orte_hnp_uri" in env:
+        return _env_int("OMPI_COMM_WORLD_SIZE")
+    hosts = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES")
+    if hosts:
+        return len(hosts.split(",")) * (_env_int("MEGASCALE_NUM_SLICES") or 1)
+    return None
+
+
+def resolve(h: DistributedConfig) -> dict | None:
+    """The keyword arguments of jax.distributed.initialize for this process, or None for a
+    single-process run. Unknown values stay None, for JAX to detect."""
+    if h.num_processes < 0 or h.process_id < -1:
+        raise ConfigError(f"distributed.num_processes={h.num_processes} and distributed.process_id={h.process_id} must be "
+                          "0 / -1 (read the environment) or a count and an index")
+    if h.heartbeat_timeout_seconds < 1 or h.initialization_timeout_seconds < 1:
+        raise ConfigError("distributed.heartbeat_timeout_seconds and distributed.initialization_timeout_seconds must be positive")
+    num = h.num_processes or _env_int("JAX_NUM_PROCESSES") or cluster_process_count() or 1
+    if num == 1:
+        return None
+    process_id = h.process_id if h.process_id >= 0 else _env_int("JAX_PROCESS_ID")
+    if process_id is not None and not 0 <= process_id < num:
+        raise ConfigError(f"process id {process_id} is not in 0..{num - 1} for {num} processes; "
+                          "set distributed.process_id (or $JAX_PROCESS_ID) to this process's index")
+    return dict(coordinator_address=h.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
+                num_processes=num, process_id=process_id, initialization_timeout=h.initialization_timeout_seconds,
+                heartbeat_timeout_seconds=h.heartbeat_timeout_seconds, shutdown_timeout_seconds=h.heartbeat_timeout_seconds)
+
+
+def initialize_distributed(h: DistributedConfig):
+    """Joins the other processes of the run, if there are any. Must run before any other JAX
+    call: the devices of every process then make jax.devices()."""
+    settings = resolve(h)
+    if settings is None:
+        return
+    # A collective whose peer died fails after this long instead of waiting forever.
+    flag = f"--xla_cpu_collective_timeout_seconds={h.heartbeat_timeout_seconds}"
+    if "xla_cpu_collective_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    where = settings["coordinator_address"] or "the detected coordinator"
+    try:
+        jax.distributed.initialize(**settings)
+    except (ValueError, TypeError) as e:
+        raise DistributedError(f"cannot start process {settings['process_id']} of {settings['num_processes']}: {e}; set "
+                               "distributed.coordinator_address and distributed.process_id (or $JAX_COORDINATOR_ADDRESS and "
+                               "$JAX_PROCESS_ID), or run under SLURM, Open MPI or a TPU pod (docs/multi-host.md)") from None
+    except Exception as e:  # the runtime's errors (a timeout connecting) are its own classes
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(f"process {settings['process_id']} could not join the {settings['num_processes']} processes "
+                               f"at {where} within {h.initialization_timeout_seconds} s: {first}") from None
+
+
+def console_name() -> str:
+    """How this process signs its console lines: `seqax` on process 0, `seqax[process i]` elsewhere."""
+    if jax.distributed.is_initialized() and jax.process_index() != 0:
+        return f"seqax[process {jax.process_index()}]"
+    return "seqax"

@@ -1,0 +1,159 @@
+"""Multi-host training with real processes on 127.0.0.1 (tools/launch_local.py, multihost.py):
+2 processes give the losses of 1, checkpoints move between process counts, and a dead process
+stops the launch. That process i assembles exactly its rows of the global batch is
+tests/test_data_loader.py::test_two_processes_assemble_the_same_batch."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jax_extra import ConfigError
+from model_fixtures import TINY
+from multihost import DistributedConfig, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# TINY with 2 kv heads (so that t=2 splits them) and a warmup longer than every run here, so the
+# learning rate of a step does not depend on training.steps and runs of 3 and 4 steps agree.
+OVERRIDES = [a for a in TINY if not a.startswith(("model.n_kv", "training.steps", "training.warmup_steps", "+paths.model_name"))] + [
+    "model.n_kv=2", "training.warmup_steps=10", "eval_batches=0", "checkpoint_interval=3", "checkpoints.keep=0"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(dataset, environment with a shared compilation cache)."""
+    root = tmp_path_factory.mktemp("multihost")
+    dataset = str(root / "data.zarr")
+    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", dataset, "--train-tokens", "300000", "--validation-tokens", "20000"],
+                   cwd=ROOT, check=True, capture_output=True)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return dataset, env
+
+
+def train_args(root, dataset, name, steps, *changes) -> list[str]:
+    return ["--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}", f"dataset.path={dataset}",
+            *OVERRIDES, f"training.steps={steps}", *changes]
+
+
+def one_process(env, devices, args) -> None:
+    result = subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def launch(env, processes, devices, args, **kwargs) -> subprocess.Popen:
+    command = [sys.executable, "-m", "tools.launch_local", "--processes", str(processes), "--devices-per-process", str(devices), "--", *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def losses(run_dir) -> dict[int, float]:
+    """The loss of each step, from its last line (a resumed run rewrites no earlier step here)."""
+    return {line["step"]: line["loss"] for line in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in line}
+
+
+def close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * abs(b)
+
+
+def test_two_processes_match_one_and_checkpoints_move_between_process_counts(setup, tmp_path):
+    dataset, env = setup
+    # 1 process x 8 devices, mesh 4x2: the reference losses of steps 0-3, checkpoints 3 and 4.
+    one_process(env, 8, train_args(tmp_path, dataset, "one", 4))
+    expected = losses(tmp_path / "one")
+    assert sorted(expected) == [0, 1, 2, 3]
+
+    # 2 processes x 4 devices, the same mesh: the same losses; checkpoint 3 written by both.
+    launched = launch(env, 2, 4, train_args(tmp_path, dataset, "two", 3))
+    output = launched.communicate(timeout=300)[0]
+    assert launched.returncode == 0, output[-3000:]
+    two = losses(tmp_path / "two")
+    assert sorted(two) == [0, 1, 2] and all(close(two[s], expected[s], 1e-6) for s in two), (two, expected)
+    assert "[0] step      2/3" in output and "[1] step" not in output  # only process 0 logs steps
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c")) == ["0"]  # embed is V/t M/d: ...
+    # ... a chunk file per process along d (rows of the 4x2 mesh: 2 per process).
+    assert len(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c" / "0")) == 2
+
+    # The 2-process checkpoint in 1 process on mesh 1x1: the next step's loss.
+    one_process(env, 1, train_args(tmp_path, dataset, "two", 4, "mesh.d=1", "mesh.t=1"))
+    assert close(losses(tmp_path / "two")[3], expected[3], 1e-4), (losses(tmp_path / "two"), expected)
+
+    # The 1-process checkpoint 3 in 2 processes.
+    os.makedirs(tmp_path / "from_one" / "checkpoints")
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "0000000003", tmp_path / "from_one" / "checkpoints" / "0000000003")
+    launched = launch(env, 2, 4, train_args(tmp_path, dataset, "from_one", 4))
+    output = launched.communicate(timeout=300)[0]
+    assert launched.returncode == 0, output[-3000:]
+    assert sorted(losses(tmp_path / "from_one")) == [3] and close(losses(tmp_path / "from_one")[3], expected[3], 1e-4)
+
+
+def test_a_killed_process_stops_the_launch(setup, tmp_path):
+    dataset, env = setup
+    launched = launch(env, 2, 4, train_args(tmp_path, dataset, "killed", 1000, "checkpoint_interval=0"), start_new_session=True)
+    lines, stepped = [], threading.Event()
+
+    def read():
+        for line in launched.stdout:
+            lines.append(line)
+            if line.startswith("[0] step"):
+                stepped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert stepped.wait(timeout=240), "".join(lines[-50:])
+        pids = {int(l.split()[2]): int(l.split()[-1]) for l in lines if l.startswith("launch_local: process ") and " has pid " in l}
+        port = int(next(l for l in lines if "coordinator 127.0.0.1:" in l).rsplit(":", 1)[1])
+        os.kill(pids[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        status = launched.wait(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if launched.poll() is None:
+            os.killpg(launched.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    print(f"launch_local exited {elapsed:.2f} s after process 1 was killed")
+    assert status != 0 and elapsed < 60
+    assert any(f"process 1 (pid {pids[1]}) was killed by SIGKILL" in l for l in lines), "".join(lines[-20:])
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with socket.socket() as s:  # nothing listens on the coordinator's port (connections closed by the kill may linger in TIME_WAIT)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def settings(**changes):
+    return DistributedConfig(**{"coordinator_address": "", "num_processes": 0, "process_id": -1, "initialization_timeout_seconds": 300,
+                                "heartbeat_timeout_seconds": 30, **changes})
+
+
+def test_settings_come_from_the_config_the_environment_or_the_cluster(monkeypatch):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
+                 "TPU_PROCESS_ADDRESSES"):
+        monkeypatch.delenv(name, raising=False)
+    assert resolve(settings()) is None  # nothing says otherwise: one process
+    assert resolve(settings(num_processes=1, process_id=0)) is None
+    explicit = resolve(settings(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=2))
+    assert (explicit["coordinator_address"], explicit["num_processes"], explicit["process_id"]) == ("10.0.0.1:1234", 4, 2)
+    assert explicit["heartbeat_timeout_seconds"] == 30
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "head:99")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "3")
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert [resolve(settings())[k] for k in ("coordinator_address", "num_processes", "process_id")] == ["head:99", 3, 1]
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name)
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}.items():
+        monkeypatch.setenv(name, value)
+    detected = resolve(settings())  # the count from SLURM; address and id left to JAX's detection
+    assert (detected["coordinator_address"], detected["num_processes"], detected["process_id"]) == (None, 2, None)
+    with pytest.raises(ConfigError, match=r"process id 5 is not in 0..1 for 2 processes"):
+        resolve(settings(process_id=5))

@@ -1,0 +1,143 @@
+"""Runs one training job as N processes on this machine, each with K simulated CPU devices,
+joined by JAX's distributed runtime on 127.0.0.1 (CPU collectives): the multi-host code paths
+without a cluster.
+
+    python -m tools.launch_local --processes 2 --devices-per-process 4 -- \
+        --config-name=local_test_synthetic +paths.model_name=RUN mesh.d=4 mesh.t=2
+
+Each line a process prints comes out prefixed with `[i]`. If a process fails (non-zero status or
+a signal), the launcher names it, kills the others and exits non-zero; SIGTERM or Ctrl-C is passed
+on to every process (a run saves a checkpoint on SIGTERM), and any still alive after
+--grace-seconds are killed. No process outlives the launcher.
+"""
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(i: int, n: int, devices: int, port: int) -> dict:
+    """Process i's environment: K CPU devices (the XLA flag goes before any other), and the
+    coordinator's address, the process count and this process's index (multihost.py reads them)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={devices}", *flags]), "JAX_PLATFORMS": "cpu",
+            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i), "PYTHONUNBUFFERED": "1"}
+
+
+def describe(status: int) -> str:
+    return f"was killed by {signal.Signals(-status).name}" if status < 0 else f"exited with status {status}"
+
+
+class Launcher:
+    def __init__(self, n: int, devices: int, train_args: list[str], grace: float, port: int):
+        self.grace, self.lock = grace, threading.Lock()
+        self.port = port or free_port()
+        self.log(f"starting {n} processes x {devices} CPU devices, coordinator 127.0.0.1:{self.port}")
+        self.procs = []
+        for i in range(n):
+            # Its own session, so that stopping a process also stops what it started.
+            proc = subprocess.Popen([sys.executable, "-m", "train", *train_args], cwd=ROOT, env=process_env(i, n, devices, self.port),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            self.procs.append(proc)
+            self.log(f"process {i} has pid {proc.pid}")
+        self.readers = [threading.Thread(target=self.stream, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
+        for reader in self.readers:
+            reader.start()
+
+    def log(self, text: str):
+        with self.lock:
+            print(f"launch_local: {text}", flush=True)
+
+    def stream(self, i: int, proc: subprocess.Popen):
+        for line in iter(proc.stdout.readline, b""):
+            with self.lock:
+                sys.stdout.write(f"[{i}] {line.decode(errors='replace')}")
+                sys.stdout.flush()
+
+    def signal_all(self, sig: int):
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, sig: int) -> None:
+        """Sends `sig` to every live process, then SIGKILL to any left after the grace period."""
+        self.signal_all(sig)
+        deadline = time.monotonic() + (self.grace if sig != signal.SIGKILL else 0)
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.signal_all(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        for reader in self.readers:
+            reader.join(timeout=5)
+
+    def run(self) -> int:
+        """Waits for every process; the first failure stops the rest. Returns the exit status."""
+        stopping = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stopping.append(signum))
+        first_done = None
+        try:
+            while True:
+                if stopping:
+                    self.log(f"received {signal.Signals(stopping[0]).name}: passing SIGTERM to every process")
+                    self.stop(signal.SIGTERM)
+                    return 128 + stopping[0]
+                statuses = [p.poll() for p in self.procs]
+                failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
+                if failed:
+                    i, status = failed[0]
+                    self.log(f"process {i} (pid {self.procs[i].pid}) {describe(status)}; stopping the other processes")
+                    self.stop(signal.SIGKILL)  # its peers cannot finish a collective without it
+                    return status if status > 0 else 1
+                if all(s == 0 for s in statuses):
+                    for reader in self.readers:
+                        reader.join(timeout=5)
+                    self.log(f"all {len(self.procs)} processes finished")
+                    return 0
+                if first_done is None and 0 in statuses:
+                    first_done = time.monotonic()
+                if first_done is not None and time.monotonic() - first_done > self.grace + 60:
+                    waiting = [i for i, s in enumerate(statuses) if s is None]
+                    self.log(f"processes {waiting} still running 60 s after process {statuses.index(0)} finished; stopping them")
+                    self.stop(signal.SIGKILL)
+                    return 1
+                time.sleep(0.05)
+        finally:
+            self.signal_all(signal.SIGKILL)  # nothing outlives the launcher, whatever happened
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="python -m tools.launch_local --processes N --devices-per-process K -- TRAIN_ARGS...")
+    parser.add_argument("--processes", type=int, required=True, help="processes to start (N)")
+    parser.add_argument("--devices-per-process", type=int, required=True, help="simulated CPU devices of each process (K)")
+    parser.add_argument("--port", type=int, default=0, help="the coordinator's port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--grace-seconds", type=float, default=30.0, help="after SIGTERM, how long processes may take to save and exit")
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of `python -m train`, after --")
+    args = parser.parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.processes < 1 or args.devices_per_process < 1:
+        parser.error("--processes and --devices-per-process must be positive")
+    return Launcher(args.processes, args.devices_per_process, train_args, args.grace_seconds, args.port).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
