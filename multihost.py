@@ -89,12 +89,12 @@ def initialize_distributed(h: DistributedConfig):
     try:
         jax.distributed.initialize(**settings)
     except (ValueError, TypeError) as e:
-        raise DistributedError(f"cannot start process {settings['process_id']} of {settings['num_processes']}: {e}; set "
+        raise DistributedError(f"cannot join a run of {settings['num_processes']} processes: {e.__str__().rstrip('.')}; set "
                                "distributed.coordinator_address and distributed.process_id (or $JAX_COORDINATOR_ADDRESS and "
                                "$JAX_PROCESS_ID), or run under SLURM, Open MPI or a TPU pod (docs/multi-host.md)") from None
     except Exception as e:  # the runtime's errors (a timeout connecting) are its own classes
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"process {settings['process_id']} could not join the {settings['num_processes']} processes "
+        raise DistributedError(f"process {settings['process_id'] if settings['process_id'] is not None else '(detected)'} could not join the {settings['num_processes']} processes "
                                f"at {where} within {h.initialization_timeout_seconds} s: {first}") from None
 
 
