@@ -94,7 +94,8 @@ def initialize_distributed(h: DistributedConfig):
                                "$JAX_PROCESS_ID), or run under SLURM, Open MPI or a TPU pod (docs/multi-host.md)") from None
     except Exception as e:  # the runtime's errors (a timeout connecting) are its own classes
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"process {settings['process_id'] if settings['process_id'] is not None else '(detected)'} could not join the {settings['num_processes']} processes "
+        who = "this process" if settings["process_id"] is None else f"process {settings['process_id']}"
+        raise DistributedError(f"{who} could not join the {settings['num_processes']} processes "
                                f"at {where} within {h.initialization_timeout_seconds} s: {first}") from None
 
 
