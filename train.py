@@ -16,7 +16,6 @@ bfloat16 with float32 accumulation; every sum across devices in float32.
 """
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -465,17 +464,6 @@ def memory_annotations(h: Config, mesh) -> tuple[list[str], jax.ShapeDtypeStruct
     return lines, jax.ShapeDtypeStruct((B // d, L, h.model.vocab // t), jnp.float32)
 
 
-def log_eval(log: training_io.RunLog, step: int, eval_loss: float):
-    """The line {"step": step, "eval_loss": ...}: the validation loss of the weights after
-    `step` steps (those of checkpoint `step`), in metrics.jsonl, TensorBoard and stdout."""
-    if not log.writes:
-        return
-    log.metrics_file.write(json.dumps({"step": step, "eval_loss": eval_loss}) + "\n")
-    log.metrics_file.flush()
-    log.tensorboard.add_scalar("eval_loss", eval_loss, step)
-    log.print(f"eval {step:6d}/{log.h.training.steps}  eval_loss {eval_loss:.4f}")
-
-
 def train(h: Config, resolved_yaml: str):
     dataset = open_flat_tokens(h.dataset.path)
     validate_config(h, jax.device_count(), dataset.max_token_id)
@@ -513,7 +501,7 @@ def train(h: Config, resolved_yaml: str):
                     if pending is not None:
                         log.step(*pending)  # lines stay in step order
                         pending = None
-                    log_eval(log, done, evaluate(h, state.weights, eval_loader))
+                    log.eval(done, evaluate(h, state.weights, eval_loader))
                 if preempted:
                     print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
                     break

@@ -273,6 +273,18 @@ def _duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+def open_lines_for_append(path: str):
+    """Opens a file of lines for appending, first dropping a torn last line (a process killed
+    while writing it). Its step is re-run on resume: the loop logs step N-1 before it saves
+    checkpoint N, so a step whose line was cut is never in the checkpoint the run resumes from."""
+    if os.path.exists(path):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "a")
+
+
 class RunLog:
     """Everything a run prints and writes besides checkpoints. `h` is the run's train.Config;
     the run starts (or resumes) at step `start`; the profiler traces `profiled_steps` steps
@@ -297,7 +309,7 @@ class RunLog:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(resolved_yaml)
-        self.metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.metrics_file = open_lines_for_append(os.path.join(run_dir, "metrics.jsonl"))
         # One event file per process start (the suffix keeps two starts in one second apart).
         # On resume, purge_step hides the events of steps >= start that an earlier process wrote
         # after its last checkpoint: TensorBoard shows each step once, with the values of the
@@ -398,6 +410,16 @@ class RunLog:
         print(f"step {step:6d}/{self.h.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
               f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
+
+    def eval(self, step: int, eval_loss: float):
+        """The line {"step": step, "eval_loss": ...}: the validation loss of the weights after
+        `step` steps (those of checkpoint `step`), in metrics.jsonl, TensorBoard and stdout."""
+        if not self.writes:
+            return
+        self.metrics_file.write(json.dumps({"step": step, "eval_loss": eval_loss}) + "\n")
+        self.metrics_file.flush()
+        self.tensorboard.add_scalar("eval_loss", eval_loss, step)
+        self.print(f"eval {step:6d}/{self.h.training.steps}  eval_loss {eval_loss:.4f}")
 
     def close(self):
         if self.tracing:  # the run stopped inside the profiled steps

@@ -102,6 +102,16 @@ def test_tensorboard_on_resume_shows_each_step_once(tmp_path, monkeypatch):
     assert [l["step"] for l in lines] == [0, 1, 2, 3, 4, 3, 4, 5]  # appended: the re-run steps twice
 
 
+def test_resume_drops_a_torn_last_metrics_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(training_io, "peak_flops", lambda: (1e12, "test"))
+    log_steps(tmp_path, 0, {0: 1.0, 1: 2.0})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "lo')  # killed while writing step 2's line
+    log_steps(tmp_path, 2, {2: 3.0})
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [(l["step"], l["loss"]) for l in lines] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
 def test_unknown_accelerator_gives_null_mfu_and_one_warning(tmp_path, monkeypatch, capsys):
     device = types.SimpleNamespace(platform="gpu", device_kind="Imaginary X1")
     monkeypatch.setattr(jax, "devices", lambda *a: [device])
