@@ -285,6 +285,9 @@ def open_lines_for_append(path: str):
     return open(path, "a")
 
 
+DOT_WAIT_SECONDS = 30  # how long the end of a run waits for graphviz, which started at compile time
+
+
 class RunLog:
     """Everything a run prints and writes besides checkpoints. `h` is the run's train.Config;
     the run starts (or resumes) at step `start`; the profiler traces `profiled_steps` steps
@@ -427,8 +430,14 @@ class RunLog:
         if not self.writes:
             return
         if self.dot_process is not None:
-            _, error = self.dot_process.communicate()
-            if self.dot_process.returncode:
-                warn(f"graphviz's dot failed on training_step.dot: {error.decode(errors='replace').strip()[:500]}")
+            try:  # a picture must not hold up the end of a run (or a preemption's exit)
+                _, error = self.dot_process.communicate(timeout=DOT_WAIT_SECONDS)
+                if self.dot_process.returncode:
+                    warn(f"graphviz's dot failed on training_step.dot: {error.decode(errors='replace').strip()[:500]}")
+            except subprocess.TimeoutExpired:
+                self.dot_process.kill()
+                self.dot_process.communicate()
+                warn(f"graphviz's dot did not finish training_step.svg within {DOT_WAIT_SECONDS} s of the run's end and was stopped; "
+                     f"render it with `dot -Tsvg {os.path.join(self.run_dir, 'training_step.dot')} -o training_step.svg`")
         self.tensorboard.close()
         self.metrics_file.close()
