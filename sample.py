@@ -179,7 +179,7 @@ def make_mesh(h: train.ModelConfig, d: int | None, t: int | None):
     for name, value, axis, size in (("d_model", h.d_model, "d", d), ("n_kv", h.n_kv, "t", t), ("d_ff", h.d_ff, "t", t), ("vocab", h.vocab, "t", t)):
         if value % size:
             raise ConfigError(f"model.{name}={value} is not divisible by mesh {axis}={size}; choose --mesh-d/--mesh-t that divide it")
-    return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return train.make_mesh(d, t)
 
 
 def load_weights(run_dir: str, h: RunConfig, mesh, step: int | None = None) -> tuple[int, train.Model]:

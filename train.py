@@ -462,10 +462,23 @@ def memory_annotations(h: Config, mesh) -> tuple[list[str], jax.ShapeDtypeStruct
     return lines, jax.ShapeDtypeStruct((B // d, L, h.model.vocab // t), jnp.float32)
 
 
+def make_mesh(d: int, t: int, devices=None) -> jax.sharding.Mesh:
+    """The (d, t) mesh over `devices` (default: all). Auto axes: arrays are placed with the
+    NamedShardings derived from their annotations, so no explicit-sharding types are needed."""
+    return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+
+
+def load_config(name: str, overrides: list[str]) -> Config:
+    """configs/<name>.yaml with command-line style overrides, as `python -m train` sees it."""
+    with hydra.initialize_config_dir(config_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"), version_base=None):
+        cfg = hydra.compose(config_name=name, overrides=overrides)
+    return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
+
+
 def train(h: Config, resolved_yaml: str):
     dataset = open_flat_tokens(h.dataset.path)
     validate_config(h, jax.device_count(), dataset.max_token_id)
-    mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = make_mesh(h.mesh.d, h.mesh.t)
     loader = make_loader(h.dataset, dataset, "train", h.training.tokens.batch, h.training.tokens.len, mesh)
     eval_loader = make_loader(h.dataset, dataset, "validation", h.training.tokens.batch, h.training.tokens.len, mesh) if h.eval_batches else None
     run_dir = os.path.join(h.paths.root_working_dir, h.paths.model_name)

@@ -69,7 +69,7 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. model.d_model=512")
     args = parser.parse_args(argv)
     h = load(args.config, args.overrides)
-    mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = train.make_mesh(h.mesh.d, h.mesh.t)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(h, mesh))))
     cfg = CheckpointConfig(keep=args.keep, compression=args.compression, level=3, threads=8)
     plain, saving, saves = [], [], []

@@ -10,31 +10,23 @@ on the data.
 """
 
 import argparse
-import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import train
 import training_io
-from jax_extra import config_from_dict
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 def load(name: str, overrides: list[str]) -> train.Config:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = compose(config_name=name, overrides=overrides + ["+paths.model_name=bench"])
-    return config_from_dict(train.Config, OmegaConf.to_container(cfg, resolve=True))
+    return train.load_config(name, overrides + ["+paths.model_name=bench"])
 
 
 def time_steps(h: train.Config, steps: int, warmup: int) -> list[float]:
-    mesh = jax.make_mesh((h.mesh.d, h.mesh.t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    mesh = train.make_mesh(h.mesh.d, h.mesh.t)
     B, L = h.training.tokens.batch, h.training.tokens.len
     rng = np.random.default_rng(0)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))

@@ -1,16 +1,10 @@
 """A tiny config, meshes and batches shared by the model tests."""
 
-import os
-
 import jax
 import numpy as np
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import train
-from jax_extra import config_from_dict
-
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+from train import load_config
 
 # Every weight dimension that a mesh axis splits divides 8, so every mesh of 8 devices fits.
 TINY = [
@@ -20,19 +14,12 @@ TINY = [
 ]
 
 
-def load_config(name: str, overrides: list[str]) -> train.Config:
-    """A config file from configs/ with command-line style overrides, as `python -m train` sees it."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = compose(config_name=name, overrides=overrides)
-    return config_from_dict(train.Config, OmegaConf.to_container(cfg, resolve=True))
-
-
 def tiny_config(*overrides: str) -> train.Config:
     return load_config("local_test_synthetic", TINY + list(overrides))
 
 
 def make_mesh(d: int, t: int) -> jax.sharding.Mesh:
-    return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[: d * t])
+    return train.make_mesh(d, t, devices=jax.devices()[: d * t])
 
 
 def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
