@@ -74,7 +74,7 @@ def forward_cached(h: train.ModelConfig, w: train.Model, cache: KVCache, inputs:
         q, k, v = train.attention_qkv(h, x, w_layer, position)
         k_cache = lax.dynamic_update_slice_in_dim(k_cache, k, start, axis=1)  # B S K D
         v_cache = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
-        x = x + train.attention_output(h, q, k_cache, v_cache, w_layer, mask)
+        x = x + train.attention_output(h, train.dense_attention(q, k_cache, v_cache, mask), w_layer)
         return x + train.feed_forward(h, x, w_layer), (k_cache, v_cache)
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))

@@ -12,7 +12,7 @@ Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer
 is whole on every `t` device and the partial sums of a block are all-reduced over `t`).
 
 Precision: weights, Adam moments, the residual stream and norms in float32; matmul operands in
-bfloat16 with float32 accumulation; every sum across devices in float32.
+MATMUL_DTYPE (bfloat16) with float32 accumulation; every sum across devices in float32.
 """
 
 import dataclasses
@@ -52,6 +52,7 @@ class ModelConfig:
     vocab: int  # V
     rope_base: float  # RoPE rotates dims (i, i + D/2) at rate base^(-2i/D) (RoFormer, Su et al. 2021, eq. 15)
     norm_eps: float
+    attention_block: int  # positions per attention block; divides training.tokens.len (speed and memory, not the math)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,12 @@ class Config:
     eval_interval: int  # steps between validation losses (0: only after the last step)
     eval_batches: int  # validation batches 0..eval_batches-1 make eval_loss (0: no evaluation)
     distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
+
+
+# Operands of every matmul are cast to this type; products accumulate in float32. bfloat16 is the
+# fast path on every accelerator; with float32 a step is exact up to the order of sums (the
+# model tests use that to check the math against tests/reference.py).
+MATMUL_DTYPE = jnp.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,60 +203,157 @@ def rope(x, position, base: float):
 
 
 def attention_qkv(h: ModelConfig, x, w: Layer, position):
-    """The rotated queries and keys and the values of the tokens x (bfloat16). sample.py
+    """The rotated queries and keys and the values of the tokens x (MATMUL_DTYPE). sample.py
     writes k and v into its KV cache."""
-    nx = save_for_backward(rms_norm(x, w.attn_norm, h.norm_eps).astype(jnp.bfloat16))
+    nx = save_for_backward(rms_norm(x, w.attn_norm, h.norm_eps).astype(MATMUL_DTYPE))
     # FSDP: gather this layer's weights over d in float32 (so that their gradients, the
     # transpose, are reduce-scattered in float32), then cast for the matmul.
-    w_q = all_gather("M/d Q K/t D -> M Q K/t D", w.w_q).astype(jnp.bfloat16)
-    w_k = all_gather("M/d K/t D -> M K/t D", w.w_k).astype(jnp.bfloat16)
-    w_v = all_gather("M/d K/t D -> M K/t D", w.w_v).astype(jnp.bfloat16)
+    w_q = all_gather("M/d Q K/t D -> M Q K/t D", w.w_q).astype(MATMUL_DTYPE)
+    w_k = all_gather("M/d K/t D -> M K/t D", w.w_k).astype(MATMUL_DTYPE)
+    w_v = all_gather("M/d K/t D -> M K/t D", w.w_v).astype(MATMUL_DTYPE)
     q = einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
     k = einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_k)
-    v = save_for_backward(einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_v).astype(jnp.bfloat16))
-    q = save_for_backward(rope(q, position, h.rope_base).astype(jnp.bfloat16))
-    k = save_for_backward(rope(k, position, h.rope_base).astype(jnp.bfloat16))
+    v = save_for_backward(einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_v).astype(MATMUL_DTYPE))
+    q = save_for_backward(rope(q, position, h.rope_base).astype(MATMUL_DTYPE))
+    k = save_for_backward(rope(k, position, h.rope_base).astype(MATMUL_DTYPE))
     return q, k, v
 
 
-def attention_output(h: ModelConfig, q, k, v, w: Layer, mask):
-    """Grouped-query attention (Ainslie et al. 2023) of queries q (length L) over keys and
-    values k, v (length S; the KV cache's length when sampling): Q query heads share each of
-    the K kv heads. mask: [B, L, S], True where a query may see a key."""
-    logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (h.d_head**-0.5)
+# Attention over blocks of the sequence (the algorithm of FlashAttention, Dao et al. 2022, in
+# XLA ops): the L x S scores are never materialized. The sequence is cut into N blocks of
+# `attention_block` positions; query block i meets key block i - offset, for one offset (one
+# diagonal of the N x N grid of block pairs) at a time, and only offsets >= 0: causal attention
+# computes N(N+1)/2 block pairs, not N^2. Inside the blocks, L and S are positions in a block.
+
+
+def blockwise_scores(q_blocks, k_blocks, q_doc, k_doc, offset: int):
+    """Scaled scores [B, N', Q, K, L, S] (float32) of query blocks q_blocks [B, N', L, Q, K, D]
+    against key blocks k_blocks [B, N', S, K, D] that lie `offset` blocks earlier. Pairs in
+    different documents, or with the key after the query, are -1e30 (softmax weight 0)."""
+    block = q_blocks.shape[2]
+    scores = einsum_unreduced("B/d N L Q K/t D, B/d N S K/t D -> B/d N Q K/t L S", q_blocks, k_blocks) * (q_blocks.shape[-1] ** -0.5)
+    causal = jnp.arange(block)[:, None] + offset * block >= jnp.arange(block)[None, :]
+    visible = (q_doc[:, :, :, None] == k_doc[:, :, None, :]) & causal
+    return jnp.where(visible[:, :, None, None], scores, -1e30)
+
+
+def to_blocks(x, block: int):
+    """[B, L, ...] -> [B, L / block, block, ...]."""
+    return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
+
+
+def blockwise_attention_forward(q, k, v, doc_id, block: int):
+    """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
+    scores [B, N, Q, K, L] (float32), by online softmax (Milakov & Gimelshein 2018): each
+    query keeps a running max, the sum of exp(score - max) and the sum of its weighted values,
+    rescaled whenever the max grows."""
+    B, L, Q, K, D = q.shape
+    N = L // block
+    q, k, v, doc = (to_blocks(x, block) for x in (q, k, v, doc_id))
+    running_max = jnp.full((B, N, Q, K, block), -1e30)
+    denominator = jnp.zeros((B, N, Q, K, block))
+    numerator = jnp.zeros((B, N, Q, K, block, D))
+    # The diagonal (offset 0) comes first: every query sees itself there, so from then on its
+    # running max is a real score and fully masked later blocks add exactly 0.
+    for offset in range(N):
+        n = N - offset
+        scores = blockwise_scores(q[:, offset:], k[:, :n], doc[:, offset:], doc[:, :n], offset)
+        new_max = jnp.maximum(running_max[:, offset:], jnp.max(scores, axis=-1))
+        rescale = jnp.exp(running_max[:, offset:] - new_max)
+        weights = jnp.exp(scores - new_max[..., None])
+        weighted_values = einsum_unreduced("B/d N Q K/t L S, B/d N S K/t D -> B/d N Q K/t L D", weights.astype(v.dtype), v[:, :n])
+        numerator = numerator.at[:, offset:].set(numerator[:, offset:] * rescale[..., None] + weighted_values)
+        denominator = denominator.at[:, offset:].set(denominator[:, offset:] * rescale + jnp.sum(weights, axis=-1))
+        running_max = running_max.at[:, offset:].set(new_max)
+    o = jnp.einsum("bnqkld->bnlqkd", numerator / denominator[..., None]).reshape(B, L, Q, K, D)
+    return o.astype(q.dtype), running_max + jnp.log(denominator)
+
+
+def blockwise_attention_backward(block: int, saved, do):
+    """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D]. Each pair's softmax
+    weights are recomputed from its scores and the saved log-sum-exp, so no L x S array is kept
+    between the passes. With P the weights and dP = dO V^T: dS = P * (dP - rowsum(dO * O))."""
+    q, k, v, o, log_sum_exp, doc_id = saved
+    B, L, Q, K, D = q.shape
+    N = L // block
+    q_, k_, v_, do_, doc = (to_blocks(x, block) for x in (q, k, v, do, doc_id))
+    # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP.
+    delta = jnp.einsum("bnlqkd->bnqkl", to_blocks(do.astype(jnp.float32) * o.astype(jnp.float32), block))
+    dq = jnp.zeros(q_.shape)
+    dk = jnp.zeros(k_.shape)
+    dv = jnp.zeros(v_.shape)
+    for offset in range(N):
+        n = N - offset
+        scores = blockwise_scores(q_[:, offset:], k_[:, :n], doc[:, offset:], doc[:, :n], offset)
+        weights = jnp.exp(scores - log_sum_exp[:, offset:, ..., None])
+        dv = dv.at[:, :n].add(einsum_unreduced("B/d N Q K/t L S, B/d N L Q K/t D -> B/d N S K/t D", weights.astype(v.dtype), do_[:, offset:]))
+        d_weights = einsum_unreduced("B/d N L Q K/t D, B/d N S K/t D -> B/d N Q K/t L S", do_[:, offset:], v_[:, :n])
+        d_scores = (weights * (d_weights - delta[:, offset:, ..., None])).astype(q.dtype)
+        dq = dq.at[:, offset:].add(einsum_unreduced("B/d N Q K/t L S, B/d N S K/t D -> B/d N L Q K/t D", d_scores, k_[:, :n]))
+        dk = dk.at[:, :n].add(einsum_unreduced("B/d N Q K/t L S, B/d N L Q K/t D -> B/d N S K/t D", d_scores, q_[:, offset:]))
+    scale = D**-0.5
+    unblock = lambda x: x.reshape(B, L, *x.shape[3:])  # noqa: E731
+    return unblock(dq * scale).astype(q.dtype), unblock(dk * scale).astype(k.dtype), unblock(dv).astype(v.dtype), None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def blockwise_attention(q, k, v, doc_id, block: int):
+    """Causal grouped-query attention within documents (doc_id [B, L]) of q [B, L, Q, K, D] over
+    k, v [B, L, K, D], by blocks of `block` positions; equal to dense_attention with the same mask."""
+    return blockwise_attention_forward(q, k, v, doc_id, block)[0]
+
+
+def blockwise_attention_saving(q, k, v, doc_id, block: int):
+    o, log_sum_exp = blockwise_attention_forward(q, k, v, doc_id, block)
+    o, log_sum_exp = save_for_backward(o), save_for_backward(log_sum_exp)
+    return o, (q, k, v, o, log_sum_exp, doc_id)
+
+
+blockwise_attention.defvjp(blockwise_attention_saving, blockwise_attention_backward)
+
+
+def dense_attention(q, k, v, mask):
+    """Attention of queries q [B, L, Q, K, D] over keys and values k, v [B, S, K, D] with the
+    L x S scores materialized; mask [B, L, S] is True where a query may see a key. sample.py
+    uses it for new tokens against its KV cache (L is small there)."""
+    logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (q.shape[-1] ** -0.5)
     logits = jnp.where(mask[:, None, None, :, :], logits, -1e30)  # every row keeps its diagonal
     logits = logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     probs = jnp.exp(logits)
-    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(jnp.bfloat16)
-    o = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v)
-    o = save_for_backward(o.astype(jnp.bfloat16))
+    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(v.dtype)
+    return einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v).astype(q.dtype)
 
-    w_o = all_gather("Q K/t D M/d -> Q K/t D M", w.w_o).astype(jnp.bfloat16)
+
+def attention_output(h: ModelConfig, o, w: Layer):
+    """The attention block's output [B, L, M]: the heads' outputs o [B, L, Q, K, D] projected."""
+    w_o = all_gather("Q K/t D M/d -> Q K/t D M", w.w_o).astype(MATMUL_DTYPE)
     out = einsum_unreduced("B/d L Q K/t D, Q K/t D M -> B/d L M", o, w_o)  # partial over t
     return psum("B/d L M", out, "t")
 
 
-def attention(h: ModelConfig, x, w: Layer, mask, position):
+def attention(h: ModelConfig, x, w: Layer, doc_id, position):
+    """Grouped-query attention (Ainslie et al. 2023): Q query heads share each of the K kv heads;
+    causal, and no query sees another document's keys."""
     q, k, v = attention_qkv(h, x, w, position)
-    return attention_output(h, q, k, v, w, mask)
+    return attention_output(h, blockwise_attention(q, k, v, doc_id, h.attention_block), w)
 
 
 def feed_forward(h: ModelConfig, x, w: Layer):
     """SwiGLU (Shazeer 2020): (silu(x W_gate) * x W_up) W_down."""
-    nx = save_for_backward(rms_norm(x, w.ffn_norm, h.norm_eps).astype(jnp.bfloat16))
-    w_gate = all_gather("M/d F/t -> M F/t", w.w_gate).astype(jnp.bfloat16)
-    w_up = all_gather("M/d F/t -> M F/t", w.w_up).astype(jnp.bfloat16)
-    gate = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_gate).astype(jnp.bfloat16))
-    up = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_up).astype(jnp.bfloat16))
-    hidden = (gate * jax.nn.sigmoid(gate) * up).astype(jnp.bfloat16)
-    w_down = all_gather("F/t M/d -> F/t M", w.w_down).astype(jnp.bfloat16)
+    nx = save_for_backward(rms_norm(x, w.ffn_norm, h.norm_eps).astype(MATMUL_DTYPE))
+    w_gate = all_gather("M/d F/t -> M F/t", w.w_gate).astype(MATMUL_DTYPE)
+    w_up = all_gather("M/d F/t -> M F/t", w.w_up).astype(MATMUL_DTYPE)
+    gate = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_gate).astype(MATMUL_DTYPE))
+    up = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_up).astype(MATMUL_DTYPE))
+    hidden = (gate * jax.nn.sigmoid(gate) * up).astype(MATMUL_DTYPE)
+    w_down = all_gather("F/t M/d -> F/t M", w.w_down).astype(MATMUL_DTYPE)
     out = einsum_unreduced("B/d L F/t, F/t M -> B/d L M", hidden, w_down)  # partial over t
     return psum("B/d L M", out, "t")
 
 
 @typechecked
-def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, mask: bool_[b"B/d L S"], position: u32[b"B/d L"]) -> f32[b"B/d L M"]:
-    x = save_for_backward(x + attention(h, x, w, mask, position))
+def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, doc_id: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b"B/d L M"]:
+    x = save_for_backward(x + attention(h, x, w, doc_id, position))
     return x + feed_forward(h, x, w)
 
 
@@ -261,8 +365,8 @@ def embed_tokens(w: Model, inputs):
 
 def output_logits(h: ModelConfig, w: Model, x):
     """Next-token logits [B/d, L, V/t] (float32, this device's slice of V) of the residual stream x."""
-    nx = rms_norm(x, w.final_norm, h.norm_eps).astype(jnp.bfloat16)
-    unembed = all_gather("M/d V/t -> M V/t", w.unembed).astype(jnp.bfloat16)
+    nx = rms_norm(x, w.final_norm, h.norm_eps).astype(MATMUL_DTYPE)
+    unembed = all_gather("M/d V/t -> M V/t", w.unembed).astype(MATMUL_DTYPE)
     return einsum_unreduced("B/d L M, M V/t -> B/d L V/t", nx, unembed)
 
 
@@ -270,14 +374,14 @@ def output_logits(h: ModelConfig, w: Model, x):
 def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
     """Next-token logits at every position of packed documents. The input of a document's
     first position is token 0 (begin of document)."""
+    if inputs.shape[1] % h.attention_block:
+        raise ConfigError(f"model.attention_block={h.attention_block} must divide the sequence length {inputs.shape[1]}")
     doc_id, position = document_positions(is_seq_start)
-    # Causal and within one document (no attention across packed documents).
-    mask = (doc_id[:, :, None] == doc_id[:, None, :]) & jnp.tril(jnp.ones((doc_id.shape[1],) * 2, dtype=bool))
     x = embed_tokens(w, inputs)
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
-        return transformer_layer(h, x, layer_weights, mask, position), None
+        return transformer_layer(h, x, layer_weights, doc_id, position), None
 
     x, _ = lax.scan(body, x, w.layers)
     return output_logits(h, w, x)
@@ -423,6 +527,8 @@ def validate_config(h: Config, n_devices: int, max_token_id: int):
     for key, value, axis_key, axis in divisible:
         if value <= 0 or value % axis:
             raise ConfigError(f"{key}={value} is not divisible by {axis_key}={axis}; make it a positive multiple of {axis}")
+    if m.attention_block < 1 or h.training.tokens.len % m.attention_block:
+        raise ConfigError(f"model.attention_block={m.attention_block} must divide training.tokens.len={h.training.tokens.len}")
     if m.d_head % 2:
         raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
     if m.vocab <= max_token_id:
@@ -450,15 +556,15 @@ def memory_annotations(h: Config, mesh) -> tuple[list[str], jax.ShapeDtypeStruct
     lines = []
 
     @typed_shard_map
-    def probe(x: f32[b"B/d L M"], w: Layer, mask: bool_[b"B/d L S"], position: u32[b"B/d L"]) -> f32[b""]:
-        body = explicit_activation_checkpointing(lambda x, w: transformer_layer(h.model, x, w, mask, position))
+    def probe(x: f32[b"B/d L M"], w: Layer, doc_id: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
+        body = explicit_activation_checkpointing(lambda x, w: transformer_layer(h.model, x, w, doc_id, position))
         lines.extend(training_io.saved_residuals(body, x, w))
         return jnp.zeros(())
 
     batch_sharded = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, P("d")))  # noqa: E731
     layer = jax.eval_shape(lambda: jax.tree.map(lambda w: w[0], init_weights(h.model, jax.random.key(0)).layers))
     layer = jax.tree.map(lambda w, s: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s), layer, make_shardings(Layer, mesh))
-    jax.eval_shape(probe, batch_sharded((B, L, M), jnp.float32), layer, batch_sharded((B, L, L), jnp.bool_), batch_sharded((B, L), jnp.uint32))
+    jax.eval_shape(probe, batch_sharded((B, L, M), jnp.float32), layer, batch_sharded((B, L), jnp.uint32), batch_sharded((B, L), jnp.uint32))
     return lines, jax.ShapeDtypeStruct((B // d, L, h.model.vocab // t), jnp.float32)
 
 

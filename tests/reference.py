@@ -70,7 +70,7 @@ def sequence_losses(w, cfg, tokens, starts):
 
 def loss(w, cfg, targets, is_seq_start, loss_mask):
     """Mean next-token cross-entropy over the tokens where loss_mask is True."""
-    per_token = jnp.stack([sequence_losses(w, cfg, targets[b], is_seq_start[b]) for b in range(targets.shape[0])])
+    per_token = jax.vmap(lambda tokens, starts: sequence_losses(w, cfg, tokens, starts))(targets, is_seq_start)
     return jnp.sum(per_token * loss_mask) / np.sum(loss_mask)
 
 

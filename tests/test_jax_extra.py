@@ -15,7 +15,7 @@ import jax_extra
 import train
 from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
 from model_fixtures import make_mesh, tiny_config
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
 
 def saved_residuals(f, *args) -> list[str]:
@@ -55,18 +55,18 @@ def test_transformer_layer_saves_exactly_its_marked_values(monkeypatch):
     lines = []
 
     @typed_shard_map
-    def probe(x: f32[b"B/d L M"], w: train.Layer, mask: bool_[b"B/d L S"], position: u32[b"B/d L"]) -> f32[b""]:
-        body = explicit_activation_checkpointing(lambda x, w: train.transformer_layer(h.model, x, w, mask, position))
+    def probe(x: f32[b"B/d L M"], w: train.Layer, doc_id: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
+        body = explicit_activation_checkpointing(lambda x, w: train.transformer_layer(h.model, x, w, doc_id, position))
         lines.extend(saved_residuals(body, x, w))
         return jnp.zeros(())
 
     with jax.set_mesh(mesh):
-        args = (jnp.ones((B, L, M)), jax.device_put(layer, make_shardings(train.Layer, mesh)), jnp.ones((B, L, L), bool), jnp.zeros((B, L), jnp.uint32))
+        args = (jnp.ones((B, L, M)), jax.device_put(layer, make_shardings(train.Layer, mesh)), jnp.zeros((B, L), jnp.uint32), jnp.zeros((B, L), jnp.uint32))
         jax.eval_shape(probe, *args)
     named = [l for l in lines if f"named '{jax_extra.SAVED_NAME}'" in l]
     others = [l for l in lines if l not in named]
     assert all(re.search(r"from (the argument|a constant)", l) for l in others), others
-    assert len(named) == len(marked) == 9
+    assert len(named) == len(marked) == 10  # 9 activations and the attention log-sum-exp
     saved_shapes = sorted(re.match(r"(\w+)\[([\d,]*)\]", l).groups() for l in named)
     marked_shapes = sorted((jnp.dtype(d).name.replace("float", "f").replace("bfloat16", "bf16"), ",".join(map(str, s))) for d, s in marked)
     assert saved_shapes == marked_shapes

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import reference
 import train
 from model_fixtures import make_mesh, random_batch, tiny_config
 from reference import loss as reference_loss
@@ -36,6 +37,27 @@ def problem():
     return h, weights, (targets, starts, mask), float(ref_loss), ref_grads
 
 
+@pytest.fixture(scope="module")
+def exact_reference(problem):
+    """The reference's loss and gradients with float32 matmul operands: the exact math."""
+    h, weights, (targets, starts, mask), *_ = problem
+    cfg = {k: getattr(h.model, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "bf16", jnp.float32)
+        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, targets, starts, mask)))(weights_to_dicts(weights, h.model.layers))
+    return float(loss), grads
+
+
+def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
+    """(path, relative L2 error) of every gradient in `grads` against `ref_grads` (reference dicts)."""
+    flat_ref, flat = jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)
+    assert len(flat_ref) == len(flat)
+    return [
+        (jax.tree_util.keystr(path), np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r, np.float64)) / np.linalg.norm(np.asarray(r, np.float64)))
+        for (path, r), g in zip(flat_ref, flat)
+    ]
+
+
 def put_batch(mesh, batch):
     return jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
 
@@ -52,16 +74,34 @@ def sharded_loss_and_grads(h, mesh, weights, batch):
 
 
 @pytest.mark.parametrize("d,t", MESHES)
-def test_loss_and_gradients_match_reference_on_every_mesh(problem, d, t):
+def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact_reference, d, t, monkeypatch):
+    """With float32 matmul operands in both, the sharded model and the reference compute the
+    same numbers up to the order of float32 sums: every sharding, mask, RoPE and attention
+    block is checked to 1e-4 (bfloat16 rounding would hide errors below ~1e-2)."""
+    h, weights, batch, *_ = problem
+    exact_loss, exact_grads = exact_reference
+    monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
+    loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, batch)
+    assert abs(float(loss) - exact_loss) <= 1e-6 * abs(exact_loss), (float(loss), exact_loss)
+    for path, err in relative_errors(weights_to_dicts(grads, h.model.layers), exact_grads):
+        assert err < 1e-4, f"gradient {path}: relative L2 error {err:.2e} on mesh {d}x{t}"
+
+
+@pytest.mark.parametrize("d,t", [(1, 1), (2, 4)])
+def test_bfloat16_loss_and_gradients_are_as_accurate_as_reference(problem, exact_reference, d, t):
+    """With bfloat16 operands (the training precision) the loss matches the bfloat16 reference to
+    1e-4, and the gradients are about as close to the exact ones as the bfloat16 reference's are
+    (the two round at different points: blockwise attention rounds unnormalized softmax
+    weights, the reference normalized ones). Measured on this tiny model: both 0.3-1.1e-2."""
     h, weights, batch, ref_loss, ref_grads = problem
+    _, exact_grads = exact_reference
     loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, batch)
     assert abs(float(loss) - ref_loss) <= 1e-4 * abs(ref_loss), (float(loss), ref_loss)
-    ours = weights_to_dicts(grads, h.model.layers)
-    flat_ref, flat_ours = jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(ours)
-    assert len(flat_ref) == len(flat_ours)
-    for (path, r), o in zip(flat_ref, flat_ours):
-        err = np.linalg.norm(np.asarray(o, np.float64) - np.asarray(r, np.float64)) / np.linalg.norm(np.asarray(r, np.float64))
-        assert err < 1e-2, f"gradient {jax.tree_util.keystr(path)}: relative L2 error {err:.2e} on mesh {d}x{t}"
+    ours = relative_errors(weights_to_dicts(grads, h.model.layers), exact_grads)
+    reference_mean = np.mean([err for _, err in relative_errors(ref_grads, exact_grads)])
+    for path, err in ours:
+        assert err < 1.5e-2, f"gradient {path}: relative L2 error {err:.2e} from exact on mesh {d}x{t}"
+    assert np.mean([err for _, err in ours]) < 1.2 * reference_mean, (ours, reference_mean)
 
 
 def test_reference_loss_is_near_log_vocab_at_init(problem):

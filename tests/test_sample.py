@@ -31,10 +31,10 @@ def model():
 
 def greedy_without_cache(h: train.ModelConfig, weights, mesh, prompt: list[int], steps: int) -> list[int]:
     """Greedy decoding by a full forward pass (train.forward, the training model) over the whole
-    sequence for every new token. The sequence is padded to one length: causal attention keeps
-    the padding from changing the logits of the positions before it."""
+    sequence for every new token. The sequence is padded to whole attention blocks: causal
+    attention keeps the padding from changing the logits of the positions before it."""
     d = mesh.shape["d"]
-    length = len(prompt) + 1 + steps
+    length = -(-(len(prompt) + 1 + steps) // h.attention_block) * h.attention_block  # whole attention blocks
     starts = np.zeros((d, length), bool)
     starts[:, 0] = True
 

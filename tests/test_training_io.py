@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_flops_formula_equals_a_hand_count():
-    m = train.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=2, d_head=4, d_ff=16, layers=3, vocab=32, rope_base=1e4, norm_eps=1e-5)
+    m = train.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=2, d_head=4, d_ff=16, layers=3, vocab=32, rope_base=1e4, norm_eps=1e-5, attention_block=8)
     # Per token, forward, 2 FLOPs per multiply-add: q 8x16, k 8x8, v 8x8, out 16x8; each of the
     # 4 query heads against the causal half of the 8 keys (4 keys, d_head 4) for QK^T and PV;
     # gate 8x16, up 8x16, down 16x8; the unembedding 8x32 once.
@@ -74,7 +74,7 @@ def test_peak_table(kind, peak):
 def fake_config(steps: int):
     return types.SimpleNamespace(
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
-        model=train.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5),
+        model=train.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5, attention_block=8),
         mesh=types.SimpleNamespace(d=1, t=1),
     )
 
