@@ -200,13 +200,15 @@ def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list
     return kept
 
 
-def memory_estimate(state, layers: int, layer_residuals: list[str], logits) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
+                    xla_cpu: bool | None = None) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
     """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
 
     `state` has the weights and Adam moments (fields weights, adam_mu, adam_nu) as arrays or
     ShapeDtypeStructs with shardings; `layers` is how many layers are stacked; `layer_residuals`
     are print_saved_residuals lines of one layer (see layer_saved_values); `logits` is a
-    ShapeDtypeStruct of one device's logits."""
+    ShapeDtypeStruct of one device's logits. `xla_cpu` adds what only XLA:CPU allocates (default:
+    whether this process runs on CPU; False estimates a GPU or TPU from a CPU machine)."""
     weights = per_device_bytes(state.weights)
     saved = layer_saved_values(layer_residuals)
     saved_per_layer = sum(size for _, size, _ in saved)
@@ -224,12 +226,20 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits) -> t
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
     ]
-    if jax.devices()[0].platform == "cpu":
+    if jax.devices()[0].platform == "cpu" if xla_cpu is None else xla_cpu:
         # XLA:CPU has no bf16 arithmetic: before the backward loop it converts every stacked
         # bf16 residual to f32 (seen in the optimized HLO), so those exist twice more in f32.
         bf16 = sum(size for shape, size, _ in saved if shape.startswith("bf16"))
         terms.append(("f32 copies of the saved bf16 values (XLA:CPU converts them)", 2 * bf16 * layers))
     return terms, saved
+
+
+def compiled_peak_bytes(analysis) -> int:
+    """Peak bytes per device of a compiled executable from its memory_analysis(). On CPU
+    peak_memory_in_bytes leaves the temporaries out; what the executable allocates is the larger
+    of it and arguments + outputs - aliased + temporaries."""
+    allocated = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
+    return max(allocated, getattr(analysis, "peak_memory_in_bytes", 0))
 
 
 def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits, title: str) -> tuple[str, float, float]:
@@ -252,10 +262,7 @@ def memory_report(compiled, state, layers: int, layer_residuals: list[str], logi
               ("aliased (outputs written into donated arguments)", analysis.alias_size_in_bytes), ("temporaries", analysis.temp_size_in_bytes),
               ("peak_memory_in_bytes", getattr(analysis, "peak_memory_in_bytes", 0))]
     lines += [f"  {name:<76} {size / MiB:10.2f} MiB" for name, size in fields]
-    allocated = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
-    # On CPU peak_memory_in_bytes leaves the temporaries out; what the executable allocates is
-    # the larger of the two.
-    xla = max(allocated, fields[-1][1])
+    xla = compiled_peak_bytes(analysis)
     lines.append(f"  {'peak: max(peak_memory_in_bytes, arguments + outputs - aliased + temporaries)':<76} {xla / MiB:10.2f} MiB")
     lines += ["", f"estimate / XLA peak = {estimate / xla:.2f}"]
     return "\n".join(lines) + "\n", estimate, xla

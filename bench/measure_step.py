@@ -1,0 +1,116 @@
+"""One config's training step measured in this process: compile time, step times after warm-up,
+tokens/s, MFU and peak memory per device, written as one row of bench/throughput.py's table.
+
+    .venv/bin/python -m bench.measure_step --config NAME --row-file ROW.json [--steps 10] [--warmup 3] [-- key=value ...]
+
+bench/throughput.py runs this once per config, each in a process of its own; run it alone to
+see one config's progress and traceback. Every failure becomes a "failed" row with the error's
+first line (XLA's RESOURCE_EXHAUSTED when out of memory, a ConfigError with its fix, ...).
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import train
+import training_io
+from bench.throughput import Row
+
+
+def progress(text: str):
+    """A line of this process's log; bench/throughput.py shows the last one on a timeout."""
+    print(text, flush=True)
+
+
+def random_batch(h: train.Config, mesh):
+    """Random tokens with documents of random length, sharded like the loader's batches: the
+    step's speed does not depend on the data."""
+    B, L = h.training.tokens.batch, h.training.tokens.len
+    rng = np.random.default_rng(0)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    targets = jax.device_put(rng.integers(1, h.model.vocab, (B, L)).astype(np.uint32), sharding)
+    starts = jax.device_put(rng.random((B, L)) < 0.02, sharding)
+    mask = jax.device_put(np.ones((B, L), bool), sharding)
+    return targets, starts, mask
+
+
+def time_steps(h: train.Config, steps: int, warmup: int):
+    """Compiles the training step ahead of time, then times warmup + steps steps.
+    Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
+    mesh = train.make_mesh(h.mesh.d, h.mesh.t)
+    batch = random_batch(h, mesh)
+    times = []
+    with jax.set_mesh(mesh):
+        state = train.init_state(h, mesh)
+        started = time.perf_counter()
+        step_fn = train.training_step.lower(state, jnp.uint32(0), *batch, h).compile()
+        compile_seconds = time.perf_counter() - started
+        progress(f"compiled in {compile_seconds:.1f} s")
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            state, metrics = step_fn(state, jnp.uint32(step), *batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+            progress(f"step {step} ({'warm-up' if step < warmup else 'timed'}): {times[-1]:.3f} s")
+    return step_fn, compile_seconds, times[warmup:]
+
+
+def peak_memory(compiled) -> tuple[int | None, str]:
+    """Peak bytes per device and where the number comes from: the allocator's high-water mark
+    where the backend keeps one (GPU, TPU), else XLA's memory_analysis() of the step (CPU)."""
+    stats = [device.memory_stats() for device in jax.local_devices()]
+    if all(s and "peak_bytes_in_use" in s for s in stats):
+        return max(s["peak_bytes_in_use"] for s in stats), "measured"
+    analysis = compiled.memory_analysis()
+    return (training_io.compiled_peak_bytes(analysis), "XLA estimate") if analysis is not None else (None, "")
+
+
+def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
+    h = train.load_config(name, overrides + ["+paths.model_name=bench"])
+    n = jax.device_count()
+    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={h.mesh.d} t={h.mesh.t}", steps=steps,
+              warmup=warmup, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
+    if h.mesh.d * h.mesh.t != n:
+        row.status, row.note = "skipped", f"its mesh is for {h.mesh.d * h.mesh.t} device(s), this machine has {n}"
+        return row
+    train.validate_config(h, n, max_token_id=0)  # the batch is random tokens below model.vocab
+    compiled, row.compile_seconds, times = time_steps(h, steps, warmup)
+    row.step_time_median_s, row.step_time_min_s, row.step_time_max_s = float(np.median(times)), min(times), max(times)
+    row.tokens_per_second = row.tokens_per_step / row.step_time_median_s
+    row.peak_memory_bytes, row.peak_memory_source = peak_memory(compiled)
+    peak, peak_source = training_io.peak_flops()  # on CPU a measurement: after the steps, so that it does not slow them
+    row.mfu = training_io.model_flops_per_token(h.model, h.training.tokens.len) * row.tokens_per_second / peak if peak else None
+    row.note = f"MFU of {peak / 1e12:.3g} TFLOP/s: {peak_source}" if peak else f"no peak FLOP/s known: {peak_source}"
+    return row
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="config name (configs/NAME.yaml)")
+    parser.add_argument("--row-file", required=True, help="where the row is written, as JSON")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("overrides", nargs="*", help="hydra overrides, after --")
+    args = parser.parse_args(argv)
+    try:
+        row = measure(args.config, args.overrides, args.steps, args.warmup)
+    except Exception as e:  # one config's failure is a row of the table, not the end of the table
+        traceback.print_exc()
+        row = Row(config=args.config, status="failed", note=first_line(e))
+    with open(args.row_file, "w") as f:
+        json.dump(dataclasses.asdict(row), f)
+
+
+if __name__ == "__main__":
+    main()

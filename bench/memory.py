@@ -1,0 +1,94 @@
+"""Parameters and memory per device of configs, without running them: the training step is
+compiled ahead of time for abstract inputs (jax.ShapeDtypeStruct: nothing is allocated), on a
+mesh of the config's shape made from this machine's devices. That is how the ladder configs
+(configs/gpu1_*, gpu8_*, tpu8_*) were sized on a CPU machine:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.memory \\
+        --config gpu1_125m gpu8_2b tpu8_1b [--report] [-- key=value ...]
+
+Two figures per device, both in GiB:
+- estimate: training_io.memory_estimate, from the code's annotations (weights, Adam moments,
+  gradients, one layer's gathered weights, every save_for_backward, the logits), without the
+  f32 copies that only XLA:CPU makes: what a GPU or TPU holds, give or take XLA's temporaries.
+- XLA:CPU peak: memory_analysis() of the step compiled here. XLA:CPU has no bf16 arithmetic and
+  fuses differently from XLA:GPU/TPU, so this is a second opinion, usually the larger.
+--report prints the whole memory report (training_io.memory_report) of each config.
+"""
+
+import argparse
+import math
+import types
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import train
+import training_io
+from shardlib.shardtypes import make_shardings
+
+GiB = 2**30
+
+
+def abstract_state(h: train.Config, mesh) -> train.State:
+    """The training state as ShapeDtypeStructs with their shardings on `mesh`."""
+    state = jax.eval_shape(lambda: train.init_state(h, mesh))
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, make_shardings(train.State, mesh))
+
+
+def parameter_count(state: train.State) -> int:
+    return sum(math.prod(w.shape) for w in jax.tree.leaves(state.weights))
+
+
+def config_mesh(h: train.Config):
+    """The config's (d, t) mesh on the first d*t devices of this machine."""
+    needed = h.mesh.d * h.mesh.t
+    if needed > jax.device_count():
+        raise SystemExit(f"mesh d={h.mesh.d} t={h.mesh.t} needs {needed} devices, this machine has {jax.device_count()}; "
+                         f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
+    return train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:needed])
+
+
+def compile_abstract(h: train.Config, mesh, state: train.State):
+    """training_step compiled for abstract batches of the config's shape (as a loader's)."""
+    batch = types.SimpleNamespace(shape=(h.training.tokens.batch, h.training.tokens.len), sharding=NamedSharding(mesh, P("d")))
+    return train.compile_training_step(h, state, batch)
+
+
+def measure(name: str, overrides: list[str], report: bool) -> dict:
+    h = train.load_config(name, overrides + ["+paths.model_name=memory"])
+    train.validate_config(h, h.mesh.d * h.mesh.t, max_token_id=0)
+    mesh = config_mesh(h)
+    with jax.set_mesh(mesh):
+        state = abstract_state(h, mesh)
+        compiled = compile_abstract(h, mesh, state)
+        residuals, logits = train.memory_annotations(h, mesh)
+    terms, _ = training_io.memory_estimate(state, h.model.layers, residuals, logits, xla_cpu=False)
+    if report:
+        title = f"{name}, mesh d={h.mesh.d} t={h.mesh.t}, compiled for {jax.devices()[0].device_kind}"
+        print(training_io.memory_report(compiled, state, h.model.layers, residuals, logits, title)[0])
+    return {
+        "config": name,
+        "parameters": parameter_count(state),
+        "mesh": f"d={h.mesh.d} t={h.mesh.t}",
+        "batch": f"{h.training.tokens.batch} x {h.training.tokens.len}",
+        "estimate_gib": sum(size for _, size in terms) / GiB,
+        "xla_cpu_peak_gib": training_io.compiled_peak_bytes(compiled.memory_analysis()) / GiB,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", nargs="+", required=True, help="config names (configs/NAME.yaml)")
+    parser.add_argument("--report", action="store_true", help="print each config's whole memory report")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --")
+    args = parser.parse_args(argv)
+    print(f"{'config':<14} {'parameters':>15} {'mesh':>9} {'batch':>11} {'estimate':>12} {'XLA:CPU peak':>13}  (per device)")
+    for name in args.config:
+        row = measure(name, args.overrides, args.report)
+        sizes = f"{row['estimate_gib']:>8.1f} GiB {row['xla_cpu_peak_gib']:>9.1f} GiB"
+        print(f"{row['config']:<14} {row['parameters']:>15,} {row['mesh']:>9} {row['batch']:>11} {sizes}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The benchmarks: bench/throughput.py's rows and table (a config per child process, skipped,
+failed, timed-out and not-run rows), bench/gpu.sh end to end on CPU and its fail-fast checks,
+and the ladder configs (complete, valid, and as large as their comments say)."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+import train
+from bench import memory, throughput
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LADDER = ["gpu1_125m", "gpu1_350m", "gpu1_1b", "gpu1_2b", "gpu8_125m", "gpu8_350m", "gpu8_1b", "gpu8_2b", "tpu8_1b"]
+# local_test_synthetic shrunk to a few seconds of work on one CPU device.
+TINY_ONE_DEVICE = "mesh.d=1 mesh.t=1 model.layers=1 training.tokens.batch=4 training.tokens.len=32 model.attention_block=16"
+
+
+def run_gpu_sh(tmp_path, **env):
+    """bench/gpu.sh with this test's Python, no wheels folder and the given variables."""
+    full_env = {**os.environ, "PYTHON": sys.executable, "SEQAX_BENCH_WHEELS": str(tmp_path / "no_wheels"), **env}
+    started = time.monotonic()
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], env=full_env, capture_output=True, text=True, timeout=240)
+    return result, time.monotonic() - started
+
+
+def assert_fails_fast_with_one_line(result, seconds, *phrases):
+    assert result.returncode == 1, result
+    assert result.stdout == "", result.stdout  # no table
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench/gpu.sh: error: "), result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], (phrase, lines[0])
+    assert seconds < 30, seconds
+
+
+def test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row(tmp_path):
+    rows_file = tmp_path / "rows.json"
+    result, _ = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", SEQAX_BENCH_CONFIGS="local_test_synthetic", SEQAX_BENCH_OVERRIDES=TINY_ONE_DEVICE,
+                           SEQAX_BENCH_STEPS="2", SEQAX_BENCH_WARMUP="1", SEQAX_BENCH_JSON=str(rows_file),
+                           # XLA's backend optimizations off: half the compile time; this checks the plumbing, not the speed.
+                           XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+    assert result.returncode == 0, result.stderr
+    [row] = json.loads(rows_file.read_text())
+    assert row["status"] == "ok" and row["devices"] == "1 x cpu" and row["mesh"] == "d=1 t=1", row
+    assert row["steps"] == 2 and row["warmup"] == 1 and row["tokens_per_step"] == 4 * 32
+    assert 0 < row["step_time_min_s"] <= row["step_time_median_s"] <= row["step_time_max_s"]
+    assert row["tokens_per_second"] == pytest.approx(128 / row["step_time_median_s"])
+    assert row["mfu"] > 0 and row["peak_memory_bytes"] > 0 and row["peak_memory_source"] == "XLA estimate"
+    # The table is the last thing printed: header, rule, the row.
+    header, rule, line = result.stdout.strip().splitlines()[-3:]
+    assert header.startswith("| config ") and set(rule) <= {"|", "-", " "}
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[:4] == ["local_test_synthetic", "1 x cpu", "d=1 t=1", "2 after 1"]
+    assert cells[5] == f"{row['tokens_per_second']:,.0f}"
+    assert "1 x cpu (cpu)" in result.stderr  # what the check found
+
+
+def test_gpu_sh_fails_fast_naming_a_missing_package(tmp_path):
+    fake = tmp_path / "site" / "hydra"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'hydra'\", name='hydra')\n")
+    result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", PYTHONPATH=str(tmp_path / "site"))
+    assert_fails_fast_with_one_line(result, seconds, "hydra-core", "is missing", "no_wheels is absent", "bench/gpu_wheels.sh")
+
+
+def test_gpu_sh_fails_fast_without_a_gpu(tmp_path):
+    result, seconds = run_gpu_sh(tmp_path)
+    assert_fails_fast_with_one_line(result, seconds, "no GPU visible to JAX", "cpu")
+
+
+def test_gpu_sh_fails_fast_on_an_old_jax(tmp_path):
+    fake = tmp_path / "site" / "jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.4.30'\n")
+    result, seconds = run_gpu_sh(tmp_path, PYTHONPATH=str(tmp_path / "site"))
+    assert_fails_fast_with_one_line(result, seconds, "jax 0.4.30 is too old", ">= 0.10")
+
+
+def test_gpu_sh_fails_fast_on_wheels_that_do_not_install(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "broken-1.0-py3-none-any.whl").write_text("not a zip file")
+    result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_WHEELS=str(wheels))
+    assert_fails_fast_with_one_line(result, seconds, "pip could not install", "bench/gpu_wheels.sh")
+
+
+def run_throughput(*args):
+    return subprocess.run([sys.executable, "-m", "bench.throughput", *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+
+def test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config(tmp_path):
+    """8 devices (conftest): gpu1_125m's 1x1 mesh is skipped; a batch that mesh.d=4 does not
+    divide fails with the config error's fix; the table still comes, with both rows."""
+    result = run_throughput("--config", "gpu1_125m", "local_test_synthetic", "--json", str(tmp_path / "rows.json"), "--", "training.tokens.batch=3")
+    assert result.returncode == 0, result.stderr
+    skipped, failed = json.loads((tmp_path / "rows.json").read_text())
+    assert skipped["status"] == "skipped" and skipped["note"] == "its mesh is for 1 device(s), this machine has 8", skipped
+    assert failed["status"] == "failed" and "ConfigError" in failed["note"] and "training.tokens.batch=3" in failed["note"], failed
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 4 and lines[2].startswith("| gpu1_125m ") and lines[3].startswith("| local_test_synthetic ")
+
+
+def test_throughput_timeout_and_budget_become_rows(tmp_path):
+    started = time.monotonic()
+    result = run_throughput("--config", "local_test_synthetic", "local_bench_cpu", "--timeout", "1", "--budget", "1", "--json", str(tmp_path / "rows.json"))
+    assert result.returncode == 0, result.stderr
+    timed_out, not_run = json.loads((tmp_path / "rows.json").read_text())
+    assert timed_out["status"] == "timeout" and timed_out["note"].startswith("no result within 1 s"), timed_out
+    assert not_run["status"] == "not run" and "--budget of 1 s" in not_run["note"], not_run
+    assert time.monotonic() - started < 20  # the child was killed, not waited for
+
+
+def test_table_escapes_cells_and_keeps_columns():
+    rows = [throughput.Row(config="a", status="failed", note="x | y"), throughput.Row(config="b", status="not run", note="budget")]
+    lines = throughput.table(rows).splitlines()
+    assert len(lines) == 4 and "x \\| y" in lines[2]
+    assert len({len(line) for line in lines}) == 1  # padded to the same widths
+    assert all(len(re.findall(r"(?<!\\)\|", line)) == len(throughput.HEADER) + 1 for line in lines)
+
+
+def test_throughput_rejects_an_override_among_config_names():
+    result = run_throughput("--config", "local_test_synthetic", "mesh.d=8")
+    assert result.returncode == 2 and "put hydra overrides after --" in result.stderr
+
+
+def independent_parameter_count(m: train.ModelConfig) -> int:
+    """Embedding, unembedding and final norm, then per layer two norms, q and o (M x heads x D),
+    k and v (M x kv heads x D) and SwiGLU's three M x F matrices."""
+    heads = m.n_q_per_kv * m.n_kv
+    per_layer = 2 * m.d_model + 2 * m.d_model * heads * m.d_head + 2 * m.d_model * m.n_kv * m.d_head + 3 * m.d_model * m.d_ff
+    return 2 * m.vocab * m.d_model + m.d_model + m.layers * per_layer
+
+
+@pytest.mark.parametrize("name", LADDER)
+def test_ladder_config_is_valid_and_as_large_as_its_model_file_says(name):
+    h = train.load_config(name, ["+paths.model_name=check"])
+    n_devices = h.mesh.d * h.mesh.t
+    train.validate_config(h, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
+    assert h.model.vocab == 32768 and h.model.attention_block == 512 and h.training.tokens.len == 2048
+    size = name.split("_")[1]
+    with open(os.path.join(ROOT, "configs", "ladder", f"model_{size}.yaml")) as f:
+        stated = int(re.search(r"^# ([\d,]+) parameters", f.read(), re.M).group(1).replace(",", ""))
+    mesh = train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:n_devices])
+    assert memory.parameter_count(memory.abstract_state(h, mesh)) == independent_parameter_count(h.model) == stated
+    assert math.isclose(stated, {"125m": 125e6, "350m": 350e6, "1b": 1e9, "2b": 2e9}[size], rel_tol=0.05)
