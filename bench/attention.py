@@ -1,0 +1,87 @@
+"""Dense against blockwise attention: forward + backward time and XLA's temporary memory.
+
+    .venv/bin/python -m bench.attention [--batch 4 --heads 8 --kv-heads 2 --d-head 64]
+        [--lengths 512 1024 2048] [--blocks 128 256 512] [--repeats 5]
+
+Runs train.dense_attention (the L x S scores materialized) and train.blockwise_attention (block
+pairs, causal half only, online softmax, custom backward) on one device with random bfloat16
+inputs and a few documents per row, and prints one row per (length, method): median time of
+value-and-gradient, the speed-up over dense, and the compiled program's temporary bytes.
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import train
+
+
+def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(B, L, Q, K, D)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(B, L, K, D)), jnp.bfloat16)
+    v = jnp.asarray(rng.normal(size=(B, L, K, D)), jnp.bfloat16)
+    starts = rng.random((B, L)) < 4 / L  # about four documents per row
+    starts[:, 0] = True
+    return q, k, v, jnp.asarray(np.cumsum(starts, axis=1), jnp.uint32)
+
+
+def dense(q, k, v, doc_id):
+    L = q.shape[1]
+    mask = (doc_id[:, :, None] == doc_id[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
+    return train.dense_attention(q, k, v, mask)
+
+
+def value_and_grad(attend):
+    """The compiled forward + backward of attention, the gradient flowing from a fixed cotangent."""
+
+    def loss(q, k, v, doc_id):
+        return jnp.sum(attend(q, k, v, doc_id).astype(jnp.float32) * jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)))
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def measure(fn, args, repeats: int) -> tuple[float, int]:
+    """(median seconds per call after one warm-up, temporary bytes of the compiled program)."""
+    compiled = fn.lower(*args).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)), temp
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8, help="query heads (Q x K)")
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--d-head", type=int, default=64)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    print(f"device {jax.devices()[0].device_kind}; batch {args.batch}, {args.heads} query heads, {args.kv_heads} kv heads, d_head {args.d_head}")
+    print(f"{'L':>6} {'method':>16} {'fwd+bwd ms':>11} {'vs dense':>9} {'temp MiB':>9}")
+    for L in args.lengths:
+        inputs = attention_inputs(args.batch, L, args.heads // args.kv_heads, args.kv_heads, args.d_head)
+        dense_time, dense_temp = measure(value_and_grad(dense), inputs, args.repeats)
+        print(f"{L:>6} {'dense':>16} {dense_time * 1e3:>11.1f} {'1.00x':>9} {dense_temp / 2**20:>9.1f}", flush=True)
+        for block in args.blocks:
+            if L % block or block > L:
+                continue
+            blockwise = value_and_grad(lambda q, k, v, doc_id, block=block: train.blockwise_attention(q, k, v, doc_id, block))
+            seconds, temp = measure(blockwise, inputs, args.repeats)
+            print(f"{L:>6} {f'blockwise {block}':>16} {seconds * 1e3:>11.1f} {dense_time / seconds:>8.2f}x {temp / 2**20:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
