@@ -181,13 +181,13 @@ def rms_norm(x, weight, eps: float):
 
 @typechecked
 def document_positions(is_seq_start: bool_[b"B/d L"]) -> tuple[u32[b"B/d L"], u32[b"B/d L"]]:
-    """(document id, position within the document) of every token. Positions restart at each
-    document so that a packed document sees the same RoPE phases as one generated alone."""
-    L = is_seq_start.shape[1]
-    index = jnp.arange(L, dtype=jnp.uint32)
-    doc_id = jnp.cumsum(is_seq_start, axis=1, dtype=jnp.uint32)
+    """(where its document starts, position within the document) of every token. Positions
+    restart at each document so that a packed document sees the same RoPE phases as one
+    generated alone. A row's first tokens belong to a document that started earlier (start 0)
+    unless is_seq_start says otherwise."""
+    index = jnp.arange(is_seq_start.shape[1], dtype=jnp.uint32)
     doc_start = lax.cummax(jnp.where(is_seq_start, index, 0), axis=1)
-    return doc_id, index - doc_start
+    return doc_start, index - doc_start
 
 
 def rope(x, position, base: float):
@@ -219,97 +219,135 @@ def attention_qkv(h: ModelConfig, x, w: Layer, position):
     return q, k, v
 
 
-# Attention over blocks of the sequence (the algorithm of FlashAttention, Dao et al. 2022, in
-# XLA ops): the L x S scores are never materialized. The sequence is cut into N blocks of
-# `attention_block` positions; query block i meets key block i - offset, for one offset (one
-# diagonal of the N x N grid of block pairs) at a time, and only offsets >= 0: causal attention
-# computes N(N+1)/2 block pairs, not N^2. Inside the blocks, L and S are positions in a block.
-
-
-def blockwise_scores(q_blocks, k_blocks, q_doc, k_doc, offset: int):
-    """Scaled scores [B, N', Q, K, L, S] (float32) of query blocks q_blocks [B, N', L, Q, K, D]
-    against key blocks k_blocks [B, N', S, K, D] that lie `offset` blocks earlier. Pairs in
-    different documents, or with the key after the query, are -1e30 (softmax weight 0)."""
-    block = q_blocks.shape[2]
-    scores = einsum_unreduced("B/d N L Q K/t D, B/d N S K/t D -> B/d N Q K/t L S", q_blocks, k_blocks) * (q_blocks.shape[-1] ** -0.5)
-    causal = jnp.arange(block)[:, None] + offset * block >= jnp.arange(block)[None, :]
-    visible = (q_doc[:, :, :, None] == k_doc[:, :, None, :]) & causal
-    return jnp.where(visible[:, :, None, None], scores, -1e30)
+# Attention by blocks (the algorithm of FlashAttention, Dao et al. 2022, in XLA ops). The
+# sequence is cut into N blocks of `attention_block` positions. Query block i visits key blocks
+# i, i-1, ... in a loop, one pair at a time, so only one pair's scores [B, Q, K, L, S] exist at
+# once (L, S: positions within a block), and it stops at the first block that any of its
+# queries' documents reaches: blocks above the diagonal (the future) and blocks of earlier
+# documents only are never computed.
 
 
 def to_blocks(x, block: int):
-    """[B, L, ...] -> [B, L / block, block, ...]."""
-    return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
+    """[B, L, ...] -> [L / block, B, block, ...]: the block index first, so that a loop step
+    reads one contiguous block."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:]), 1, 0)
 
 
-def blockwise_attention_forward(q, k, v, doc_id, block: int):
+def from_blocks(x):
+    """[N, B, block, ...] -> [B, N * block, ...]."""
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def add_to_block(blocks, j, update):
+    """blocks[j] += update, in place (a dynamic-update-slice, not a scatter)."""
+    return lax.dynamic_update_index_in_dim(blocks, lax.dynamic_index_in_dim(blocks, j, keepdims=False) + update, j, 0)
+
+
+def block_scores(q_block, k_block, q_doc_start, k_doc_start, i, j):
+    """Scaled scores [B, Q, K, L, S] (float32) of query block i, q_block [B, L, Q, K, D], against
+    key block j, k_block [B, S, K, D]; -1e30 (softmax weight 0) where the key lies in another
+    document (doc_start: where each token's document starts) or after the query."""
+    block = q_block.shape[1]
+    scores = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q_block, k_block) * (q_block.shape[-1] ** -0.5)
+    causal = i * block + jnp.arange(block)[:, None] >= j * block + jnp.arange(block)[None, :]
+    visible = (q_doc_start[:, :, None] == k_doc_start[:, None, :]) & causal
+    return jnp.where(visible[:, None, None], scores, -1e30)
+
+
+def key_blocks_to_visit(doc_start_blocks, block: int):
+    """For each query block i, how many key blocks it visits, from i back to the block holding
+    the start of the earliest document among its queries (the block's first position, in any
+    row): earlier keys are in other documents for every query of the block."""
+    first_key_block = (jnp.min(doc_start_blocks[:, :, 0], axis=1) // block).astype(jnp.int32)  # [N]
+    return jnp.arange(doc_start_blocks.shape[0]) - first_key_block + 1
+
+
+def blockwise_attention_forward(q, k, v, doc_start, block: int):
     """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
-    scores [B, N, Q, K, L] (float32), by online softmax (Milakov & Gimelshein 2018): each
+    scores [N, B, Q, K, L] (float32), by online softmax (Milakov & Gimelshein 2018): each
     query keeps a running max, the sum of exp(score - max) and the sum of its weighted values,
     rescaled whenever the max grows."""
-    B, L, Q, K, D = q.shape
-    N = L // block
-    q, k, v, doc = (to_blocks(x, block) for x in (q, k, v, doc_id))
-    running_max = jnp.full((B, N, Q, K, block), -1e30)
-    denominator = jnp.zeros((B, N, Q, K, block))
-    numerator = jnp.zeros((B, N, Q, K, block, D))
-    # The diagonal (offset 0) comes first: every query sees itself there, so from then on its
-    # running max is a real score and fully masked later blocks add exactly 0.
-    for offset in range(N):
-        n = N - offset
-        scores = blockwise_scores(q[:, offset:], k[:, :n], doc[:, offset:], doc[:, :n], offset)
-        new_max = jnp.maximum(running_max[:, offset:], jnp.max(scores, axis=-1))
-        rescale = jnp.exp(running_max[:, offset:] - new_max)
-        weights = jnp.exp(scores - new_max[..., None])
-        weighted_values = einsum_unreduced("B/d N Q K/t L S, B/d N S K/t D -> B/d N Q K/t L D", weights.astype(v.dtype), v[:, :n])
-        numerator = numerator.at[:, offset:].set(numerator[:, offset:] * rescale[..., None] + weighted_values)
-        denominator = denominator.at[:, offset:].set(denominator[:, offset:] * rescale + jnp.sum(weights, axis=-1))
-        running_max = running_max.at[:, offset:].set(new_max)
-    o = jnp.einsum("bnqkld->bnlqkd", numerator / denominator[..., None]).reshape(B, L, Q, K, D)
-    return o.astype(q.dtype), running_max + jnp.log(denominator)
+    q_blocks, k_blocks, v_blocks, start_blocks = (to_blocks(x, block) for x in (q, k, v, doc_start))
+    visits = key_blocks_to_visit(start_blocks, block)
+
+    def attend(i):
+        q_i, start_i = q_blocks[i], start_blocks[i]
+
+        def add_key_block(step, carry):
+            running_max, denominator, numerator = carry
+            j = i - step
+            scores = block_scores(q_i, k_blocks[j], start_i, start_blocks[j], i, j)
+            new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+            rescale = jnp.exp(running_max - new_max)
+            weights = jnp.exp(scores - new_max[..., None])
+            weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v.dtype), v_blocks[j])
+            return new_max, denominator * rescale + jnp.sum(weights, axis=-1), numerator * rescale[..., None] + weighted_values
+
+        # The diagonal block comes first and every query sees itself there, so the running max
+        # is a real score from the first step on and later fully masked rows add exactly 0.
+        # (full_like and zeros_like: the loop's carry varies over the same mesh axes as q.)
+        B, L, Q, K, D = q_i.shape
+        running_max = jnp.full_like(q_i, -1e30, jnp.float32, (B, Q, K, L))
+        carry = (running_max, jnp.zeros_like(running_max), jnp.zeros_like(q_i, jnp.float32, (B, Q, K, L, D)))
+        running_max, denominator, numerator = lax.fori_loop(0, visits[i], add_key_block, carry)
+        o_i = einsum_unreduced("B/d Q K/t L D -> B/d L Q K/t D", numerator / denominator[..., None])
+        return o_i.astype(q.dtype), running_max + jnp.log(denominator)
+
+    o_blocks, log_sum_exp = lax.map(attend, jnp.arange(q_blocks.shape[0]))
+    return from_blocks(o_blocks), log_sum_exp
 
 
 def blockwise_attention_backward(block: int, saved, do):
-    """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D]. Each pair's softmax
-    weights are recomputed from its scores and the saved log-sum-exp, so no L x S array is kept
-    between the passes. With P the weights and dP = dO V^T: dS = P * (dP - rowsum(dO * O))."""
-    q, k, v, o, log_sum_exp, doc_id = saved
-    B, L, Q, K, D = q.shape
-    N = L // block
-    q_, k_, v_, do_, doc = (to_blocks(x, block) for x in (q, k, v, do, doc_id))
+    """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D], over the same block
+    pairs as the forward pass. Each pair's softmax weights P are recomputed from its scores and
+    the saved log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
+    q, k, v, o, log_sum_exp, doc_start = saved
+    q_blocks, k_blocks, v_blocks, do_blocks, start_blocks = (to_blocks(x, block) for x in (q, k, v, do, doc_start))
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP.
-    delta = jnp.einsum("bnlqkd->bnqkl", to_blocks(do.astype(jnp.float32) * o.astype(jnp.float32), block))
-    dq = jnp.zeros(q_.shape)
-    dk = jnp.zeros(k_.shape)
-    dv = jnp.zeros(v_.shape)
-    for offset in range(N):
-        n = N - offset
-        scores = blockwise_scores(q_[:, offset:], k_[:, :n], doc[:, offset:], doc[:, :n], offset)
-        weights = jnp.exp(scores - log_sum_exp[:, offset:, ..., None])
-        dv = dv.at[:, :n].add(einsum_unreduced("B/d N Q K/t L S, B/d N L Q K/t D -> B/d N S K/t D", weights.astype(v.dtype), do_[:, offset:]))
-        d_weights = einsum_unreduced("B/d N L Q K/t D, B/d N S K/t D -> B/d N Q K/t L S", do_[:, offset:], v_[:, :n])
-        d_scores = (weights * (d_weights - delta[:, offset:, ..., None])).astype(q.dtype)
-        dq = dq.at[:, offset:].add(einsum_unreduced("B/d N Q K/t L S, B/d N S K/t D -> B/d N L Q K/t D", d_scores, k_[:, :n]))
-        dk = dk.at[:, :n].add(einsum_unreduced("B/d N Q K/t L S, B/d N L Q K/t D -> B/d N S K/t D", d_scores, q_[:, offset:]))
-    scale = D**-0.5
-    unblock = lambda x: x.reshape(B, L, *x.shape[3:])  # noqa: E731
-    return unblock(dq * scale).astype(q.dtype), unblock(dk * scale).astype(k.dtype), unblock(dv).astype(v.dtype), None
+    delta_blocks = to_blocks(einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o), block)
+    visits = key_blocks_to_visit(start_blocks, block)
+    scale = q.shape[-1] ** -0.5
+
+    def backward_query_block(dk_dv, i):
+        q_i, do_i, start_i = q_blocks[i], do_blocks[i], start_blocks[i]
+        delta_i = jnp.moveaxis(delta_blocks[i], 1, 3)  # [B, Q, K, L]
+
+        def add_key_block(step, carry):
+            dq_i, dk, dv = carry
+            j = i - step
+            scores = block_scores(q_i, k_blocks[j], start_i, start_blocks[j], i, j)
+            weights = jnp.exp(scores - log_sum_exp[i][..., None])
+            dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v.dtype), do_i))
+            d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_i, v_blocks[j])
+            d_scores = (weights * (d_weights - delta_i[..., None]) * scale).astype(q.dtype)
+            dk = add_to_block(dk, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", d_scores, q_i))
+            return dq_i + einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", d_scores, k_blocks[j]), dk, dv
+
+        dq_i, dk, dv = lax.fori_loop(0, visits[i], add_key_block, (jnp.zeros_like(q_i, jnp.float32), *dk_dv))
+        return (dk, dv), dq_i
+
+    dk_dv = (jnp.zeros_like(k_blocks, jnp.float32), jnp.zeros_like(v_blocks, jnp.float32))
+    (dk, dv), dq = lax.scan(backward_query_block, dk_dv, jnp.arange(q_blocks.shape[0]))
+    return from_blocks(dq).astype(q.dtype), from_blocks(dk).astype(k.dtype), from_blocks(dv).astype(v.dtype), None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blockwise_attention(q, k, v, doc_id, block: int):
-    """Causal grouped-query attention within documents (doc_id [B, L]) of q [B, L, Q, K, D] over
-    k, v [B, L, K, D], by blocks of `block` positions; equal to dense_attention with the same mask."""
-    return blockwise_attention_forward(q, k, v, doc_id, block)[0]
+def blockwise_attention(q, k, v, doc_start, block: int):
+    """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, L, K, D]
+    by blocks of `block` positions; doc_start [B, L] is where each token's document starts. The
+    same numbers as dense_attention with the same mask, up to rounding."""
+    return blockwise_attention_forward(q, k, v, doc_start, block)[0]
 
 
-def blockwise_attention_saving(q, k, v, doc_id, block: int):
-    o, log_sum_exp = blockwise_attention_forward(q, k, v, doc_id, block)
+def blockwise_attention_forward_saving(q, k, v, doc_start, block: int):
+    """The forward pass under differentiation: the output and its log-sum-exp are kept for the
+    backward pass (marked, so that layer rematerialization keeps them too)."""
+    o, log_sum_exp = blockwise_attention_forward(q, k, v, doc_start, block)
     o, log_sum_exp = save_for_backward(o), save_for_backward(log_sum_exp)
-    return o, (q, k, v, o, log_sum_exp, doc_id)
+    return o, (q, k, v, o, log_sum_exp, doc_start)
 
 
-blockwise_attention.defvjp(blockwise_attention_saving, blockwise_attention_backward)
+blockwise_attention.defvjp(blockwise_attention_forward_saving, blockwise_attention_backward)
 
 
 def dense_attention(q, k, v, mask):
@@ -331,11 +369,11 @@ def attention_output(h: ModelConfig, o, w: Layer):
     return psum("B/d L M", out, "t")
 
 
-def attention(h: ModelConfig, x, w: Layer, doc_id, position):
+def attention(h: ModelConfig, x, w: Layer, doc_start, position):
     """Grouped-query attention (Ainslie et al. 2023): Q query heads share each of the K kv heads;
     causal, and no query sees another document's keys."""
     q, k, v = attention_qkv(h, x, w, position)
-    return attention_output(h, blockwise_attention(q, k, v, doc_id, h.attention_block), w)
+    return attention_output(h, blockwise_attention(q, k, v, doc_start, h.attention_block), w)
 
 
 def feed_forward(h: ModelConfig, x, w: Layer):
@@ -352,8 +390,8 @@ def feed_forward(h: ModelConfig, x, w: Layer):
 
 
 @typechecked
-def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, doc_id: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b"B/d L M"]:
-    x = save_for_backward(x + attention(h, x, w, doc_id, position))
+def transformer_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b"B/d L M"]:
+    x = save_for_backward(x + attention(h, x, w, doc_start, position))
     return x + feed_forward(h, x, w)
 
 
@@ -376,12 +414,12 @@ def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L"], is_seq_start: bool_
     first position is token 0 (begin of document)."""
     if inputs.shape[1] % h.attention_block:
         raise ConfigError(f"model.attention_block={h.attention_block} must divide the sequence length {inputs.shape[1]}")
-    doc_id, position = document_positions(is_seq_start)
+    doc_start, position = document_positions(is_seq_start)
     x = embed_tokens(w, inputs)
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
-        return transformer_layer(h, x, layer_weights, doc_id, position), None
+        return transformer_layer(h, x, layer_weights, doc_start, position), None
 
     x, _ = lax.scan(body, x, w.layers)
     return output_logits(h, w, x)
@@ -556,8 +594,8 @@ def memory_annotations(h: Config, mesh) -> tuple[list[str], jax.ShapeDtypeStruct
     lines = []
 
     @typed_shard_map
-    def probe(x: f32[b"B/d L M"], w: Layer, doc_id: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
-        body = explicit_activation_checkpointing(lambda x, w: transformer_layer(h.model, x, w, doc_id, position))
+    def probe(x: f32[b"B/d L M"], w: Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
+        body = explicit_activation_checkpointing(lambda x, w: transformer_layer(h.model, x, w, doc_start, position))
         lines.extend(training_io.saved_residuals(body, x, w))
         return jnp.zeros(())
 

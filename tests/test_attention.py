@@ -6,15 +6,17 @@ import numpy as np
 import pytest
 
 import train
-from model_fixtures import make_mesh
+from jax_extra import ConfigError
+from model_fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import f32, typed_shard_map, u32
 
 B, L, Q, K, D = 4, 64, 2, 4, 16
 
 
-def inputs(seed: int, dtype):
-    """Random queries, keys and values and document ids: several documents per row, one
-    starting inside a block, and one row that is a single document."""
+def inputs(seed: int, dtype, common_starts=()):
+    """Random queries, keys and values and where each token's document starts: several
+    documents per row, one starting inside a block, and one row that is a single document
+    unless `common_starts` puts a document start at those positions in every row."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(B, L, Q, K, D)), dtype)
     k = jnp.asarray(rng.normal(size=(B, L, K, D)) * 2, dtype)  # wide scores: the running max moves
@@ -23,18 +25,19 @@ def inputs(seed: int, dtype):
     starts[:, 0] = True
     starts[0, 1:] = False
     starts[1, 20] = True
-    doc_id = jnp.asarray(np.cumsum(starts, axis=1), jnp.uint32)
-    return q, k, v, doc_id
+    starts[:, list(common_starts)] = True
+    doc_start = jnp.asarray(np.maximum.accumulate(np.where(starts, np.arange(L), 0), axis=1), jnp.uint32)  # where each document starts
+    return q, k, v, doc_start
 
 
-def dense(q, k, v, doc_id):
-    mask = (doc_id[:, :, None] == doc_id[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
+def dense(q, k, v, doc_start):
+    mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
     return train.dense_attention(q, k, v, mask)
 
 
-def output_and_gradients(attend, q, k, v, doc_id, cotangent):
+def output_and_gradients(attend, q, k, v, doc_start, cotangent):
     """attend's output and the gradients of q, k, v for the output cotangent `cotangent`."""
-    out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, doc_id), q, k, v)
+    out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, doc_start), q, k, v)
     return (out, *pullback(cotangent.astype(out.dtype)))
 
 
@@ -43,27 +46,39 @@ def rel_error(x, y) -> float:
     return float(np.linalg.norm(x - y) / np.linalg.norm(y))
 
 
-@pytest.mark.parametrize("block", [8, 16, 64])
-def test_blockwise_equals_dense_within_1e_3_in_float32(block):
-    """Same math as dense attention: in float32 the output and every gradient agree to 1e-3
-    relative (the issue's bound; rounding alone is ~1e-6)."""
-    q, k, v, doc_id = inputs(block, jnp.float32)
+@pytest.mark.parametrize("block,common_starts", [(8, ()), (16, ()), (64, ()), (8, (24, 40))])
+def test_blockwise_equals_dense_in_float32(block, common_starts):
+    """Same math as dense attention: in float32 the output and every gradient agree to 1e-5
+    relative (the issue asks for 1e-3; rounding alone is ~3e-7). With documents starting at 24
+    and 40 in every row, query blocks 3-4 skip key blocks 0-2 and blocks 5-7 skip blocks 0-4."""
+    q, k, v, doc_start = inputs(block, jnp.float32, common_starts)
     cotangent = jnp.asarray(np.random.default_rng(99).normal(size=(B, L, Q, K, D)))
-    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, block), *a))(q, k, v, doc_id, cotangent)
-    reference = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_id, cotangent)
+    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, block), *a))(q, k, v, doc_start, cotangent)
+    reference = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
     for name, x, y in zip(["output", "dq", "dk", "dv"], blockwise, reference):
         assert x.dtype == jnp.float32
-        assert rel_error(x, y) < 1e-3, (name, rel_error(x, y))
+        assert rel_error(x, y) < 1e-5, (name, rel_error(x, y))
+
+
+def test_key_blocks_before_every_documents_start_are_skipped():
+    """The loop of query block i starts at the block of the earliest document start among its
+    queries in any row (here documents start at 0, 24 and 40 in every row, and at 50 in one)."""
+    starts = np.zeros((B, L), bool)
+    starts[:, [0, 24, 40]] = True
+    starts[1, 50] = True
+    doc_start = jnp.asarray(np.maximum.accumulate(np.where(starts, np.arange(L), 0), axis=1), jnp.uint32)
+    visits = train.key_blocks_to_visit(train.to_blocks(doc_start, 8), 8)
+    np.testing.assert_array_equal(np.asarray(visits), [1, 2, 3, 1, 2, 1, 2, 3])
 
 
 def test_blockwise_in_bfloat16_is_as_close_to_exact_as_dense():
     """With the model's bfloat16 operands, blockwise attention is no further from the exact
     (float32) result than dense attention in bfloat16 is, up to a small factor."""
-    q, k, v, doc_id = inputs(3, jnp.bfloat16)
+    q, k, v, doc_start = inputs(3, jnp.bfloat16)
     cotangent = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, Q, K, D)))
-    exact = jax.jit(lambda *a: output_and_gradients(dense, *a))(*(x.astype(jnp.float32) for x in (q, k, v)), doc_id, cotangent)
-    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, 16), *a))(q, k, v, doc_id, cotangent)
-    dense_bf16 = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_id, cotangent)
+    exact = jax.jit(lambda *a: output_and_gradients(dense, *a))(*(x.astype(jnp.float32) for x in (q, k, v)), doc_start, cotangent)
+    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, 16), *a))(q, k, v, doc_start, cotangent)
+    dense_bf16 = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
     for name, x, y, e in zip(["output", "dq", "dk", "dv"], blockwise, dense_bf16, exact):
         assert x.dtype == jnp.bfloat16
         assert rel_error(x, e) < 2 * rel_error(y, e) + 1e-3, (name, rel_error(x, e), rel_error(y, e))
@@ -71,35 +86,45 @@ def test_blockwise_in_bfloat16_is_as_close_to_exact_as_dense():
 
 def test_documents_do_not_see_each_other():
     """Changing the keys and values of one document leaves the other documents' outputs and
-    query gradients exactly as they were."""
-    q, k, v, doc_id = inputs(4, jnp.float32)
-    other = np.asarray(doc_id) != np.asarray(doc_id)[1, 30]
+    gradients exactly as they were."""
+    q, k, v, doc_start = inputs(4, jnp.float32)
+    other = np.asarray(doc_start) != np.asarray(doc_start)[1, 30]
     k2 = jnp.where(other[:, :, None, None], k, k + 3.0)
     v2 = jnp.where(other[:, :, None, None], v, -v)
     cotangent = jnp.ones((B, L, Q, K, D))
     run = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, 8), *a))
-    before, after = run(q, k, v, doc_id, cotangent), run(q, k2, v2, doc_id, cotangent)
-    np.testing.assert_array_equal(np.asarray(before[0])[other], np.asarray(after[0])[other])
-    np.testing.assert_array_equal(np.asarray(before[1])[other], np.asarray(after[1])[other])
+    before, after = run(q, k, v, doc_start, cotangent), run(q, k2, v2, doc_start, cotangent)
+    for name, x, y in zip(["output", "dq", "dk", "dv"], before, after):
+        np.testing.assert_array_equal(np.asarray(x)[other], np.asarray(y)[other], err_msg=name)
     assert not np.allclose(np.asarray(before[0])[~other], np.asarray(after[0])[~other])
 
 
 def test_blockwise_on_a_mesh_equals_unsharded():
     """Inside shard_map on a 4x2 mesh (batch over d, kv heads over t) the output and the query
     gradient are the unsharded ones (float32, so that only summation order can differ)."""
-    q, k, v, doc_id = inputs(6, jnp.float32)
+    q, k, v, doc_start = inputs(6, jnp.float32)
 
     @jax.jit
     @typed_shard_map
-    def sharded(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], doc_id: u32[b"B/d L"]) -> f32[b"B/d L Q K/t D"]:
-        o, pullback = jax.vjp(lambda q: train.blockwise_attention(q, k, v, doc_id, 16), q)
+    def sharded(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], doc_start: u32[b"B/d L"]) -> f32[b"B/d L Q K/t D"]:
+        o, pullback = jax.vjp(lambda q: train.blockwise_attention(q, k, v, doc_start, 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     with jax.set_mesh(make_mesh(4, 2)):
-        on_mesh = sharded(q, k, v, doc_id)
+        on_mesh = sharded(q, k, v, doc_start)
 
     def unsharded(q):
-        o, pullback = jax.vjp(lambda q: train.blockwise_attention(q, k, v, doc_id, 16), q)
+        o, pullback = jax.vjp(lambda q: train.blockwise_attention(q, k, v, doc_start, 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     np.testing.assert_allclose(np.asarray(on_mesh), np.asarray(jax.jit(unsharded)(q)), rtol=1e-5, atol=1e-5)
+
+
+def test_forward_refuses_a_length_that_is_not_whole_blocks():
+    """forward() with a sequence that attention_block does not divide stops with a ConfigError
+    naming the key, before any computation (tiny config: blocks of 8)."""
+    h = tiny_config()
+    weights = jax.eval_shape(lambda: train.init_weights(h.model, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((2, 12), jnp.uint32)
+    with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide the sequence length 12"):
+        jax.eval_shape(lambda w, t: train.forward(h.model, w, t, jnp.zeros(t.shape, bool)), weights, tokens)

@@ -55,8 +55,8 @@ def test_transformer_layer_saves_exactly_its_marked_values(monkeypatch):
     lines = []
 
     @typed_shard_map
-    def probe(x: f32[b"B/d L M"], w: train.Layer, doc_id: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
-        body = explicit_activation_checkpointing(lambda x, w: train.transformer_layer(h.model, x, w, doc_id, position))
+    def probe(x: f32[b"B/d L M"], w: train.Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
+        body = explicit_activation_checkpointing(lambda x, w: train.transformer_layer(h.model, x, w, doc_start, position))
         lines.extend(saved_residuals(body, x, w))
         return jnp.zeros(())
 

@@ -48,6 +48,7 @@ def test_local_test_synthetic_learns_in_50_steps(dataset, tmp_path):
         (["mesh.d=4", "mesh.t=4"], r"mesh.d=4 x mesh.t=4 = 16 must equal the 8 devices"),
         (["model.vocab=64"], r"model.vocab=64 is too small for the dataset's max_token_id \d+; set model.vocab to at least \d+"),
         (["model.n_kv=3"], r"model.n_kv=3 is not divisible by mesh.t=2"),
+        (["model.attention_block=48"], r"model.attention_block=48 must divide training.tokens.len=64"),
         (["dataset.path=/nonexistent/data.zarr"], r"dataset '/nonexistent/data.zarr' does not exist"),
         (["training.steps=ten"], r"config key training.steps must be int, got 'ten'"),
         (["checkpoint_interval=-5"], r"checkpoint_interval=-5 must be 0 \(save only at the end and on SIGTERM\) or a positive step count"),
