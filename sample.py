@@ -36,6 +36,7 @@ import train
 from checkpoint import CheckpointConfig, Checkpointer
 from flat_tokens import DatasetError
 from jax_extra import ConfigError, config_from_dict
+from shardlib.shardops import einsum_unreduced
 from shardlib.shardtypes import Array, bf16, f32, make_shardings, pytree_dataclass, typechecked, typed_shard_map, u32
 from tools.tokenizer import TokenizerError, dataset_tokenizer
 
@@ -57,6 +58,18 @@ def init_cache(h: train.ModelConfig, batch: int, length: int, mesh) -> KVCache:
     return zeros()
 
 
+def dense_attention(q, k, v, mask):
+    """Attention of queries q [B, L, Q, K, D] over keys and values k, v [B, S, K, D] with the
+    L x S scores materialized; mask [B, L, S] is True where a query may see a key. Used for new
+    tokens against the KV cache (L is small there); training uses train.blockwise_attention."""
+    logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (q.shape[-1] ** -0.5)
+    logits = jnp.where(mask[:, None, None, :, :], logits, -1e30)  # every row keeps its diagonal
+    logits = logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    probs = jnp.exp(logits)
+    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(v.dtype)
+    return einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v).astype(q.dtype)
+
+
 @typechecked
 def forward_cached(h: train.ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
     """Runs inputs at cache positions [start, start + L): writes their keys and values into the
@@ -74,7 +87,7 @@ def forward_cached(h: train.ModelConfig, w: train.Model, cache: KVCache, inputs:
         q, k, v = train.attention_qkv(h, x, w_layer, position)
         k_cache = lax.dynamic_update_slice_in_dim(k_cache, k, start, axis=1)  # B S K D
         v_cache = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
-        x = x + train.attention_output(h, train.dense_attention(q, k_cache, v_cache, mask), w_layer)
+        x = x + train.attention_output(h, dense_attention(q, k_cache, v_cache, mask), w_layer)
         return x + train.feed_forward(h, x, w_layer), (k_cache, v_cache)
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))

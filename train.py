@@ -335,7 +335,7 @@ def blockwise_attention_backward(block: int, saved, do):
 def blockwise_attention(q, k, v, doc_start, block: int):
     """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, L, K, D]
     by blocks of `block` positions; doc_start [B, L] is where each token's document starts. The
-    same numbers as dense_attention with the same mask, up to rounding."""
+    same numbers as sample.dense_attention with the same mask, up to rounding."""
     return blockwise_attention_forward(q, k, v, doc_start, block)[0]
 
 
@@ -348,18 +348,6 @@ def blockwise_attention_forward_saving(q, k, v, doc_start, block: int):
 
 
 blockwise_attention.defvjp(blockwise_attention_forward_saving, blockwise_attention_backward)
-
-
-def dense_attention(q, k, v, mask):
-    """Attention of queries q [B, L, Q, K, D] over keys and values k, v [B, S, K, D] with the
-    L x S scores materialized; mask [B, L, S] is True where a query may see a key. sample.py
-    uses it for new tokens against its KV cache (L is small there)."""
-    logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (q.shape[-1] ** -0.5)
-    logits = jnp.where(mask[:, None, None, :, :], logits, -1e30)  # every row keeps its diagonal
-    logits = logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    probs = jnp.exp(logits)
-    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(v.dtype)
-    return einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v).astype(q.dtype)
 
 
 def attention_output(h: ModelConfig, o, w: Layer):

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.attention [--batch 4 --heads 8 --kv-heads 2 --d-head 64]
         [--lengths 512 1024 2048] [--blocks 128 256 512] [--repeats 5]
 
-Runs train.dense_attention (the L x S scores materialized) and train.blockwise_attention (block
+Runs sample.dense_attention (the L x S scores materialized) and train.blockwise_attention (block
 pairs, causal half only, online softmax, custom backward) on one device with random bfloat16
 inputs and a few documents per row, and prints one row per (length, method): median time of
 value-and-gradient, the speed-up over dense, and the compiled program's temporary bytes.
@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import sample
 import train
 
 
@@ -32,7 +33,7 @@ def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
 def dense(q, k, v, doc_start):
     L = q.shape[1]
     mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
-    return train.dense_attention(q, k, v, mask)
+    return sample.dense_attention(q, k, v, mask)
 
 
 def value_and_grad(attend):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import sample
 import train
 from jax_extra import ConfigError
 from model_fixtures import make_mesh, tiny_config
@@ -32,7 +33,7 @@ def inputs(seed: int, dtype, common_starts=()):
 
 def dense(q, k, v, doc_start):
     mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
-    return train.dense_attention(q, k, v, mask)
+    return sample.dense_attention(q, k, v, mask)
 
 
 def output_and_gradients(attend, q, k, v, doc_start, cotangent):
