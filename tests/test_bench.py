@@ -150,3 +150,24 @@ def test_ladder_config_is_valid_and_as_large_as_its_model_file_says(name):
     mesh = train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:n_devices])
     assert memory.parameter_count(memory.abstract_state(h, mesh)) == independent_parameter_count(h.model) == stated
     assert math.isclose(stated, {"125m": 125e6, "350m": 350e6, "1b": 1e9, "2b": 2e9}[size], rel_tol=0.05)
+
+
+def test_compare_commits_times_a_commit_against_this_checkout():
+    """bench/compare_commits.py loads train.py at a commit next to this checkout's and alternates
+    their steps: against HEAD it prints both step times, the ratio and both memories. The base's
+    missing keys are dropped (HEAD has them all, so none here)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    command = [sys.executable, "-m", "bench.compare_commits", "--base", "HEAD", "--rounds", "2", "--", *TINY_ONE_DEVICE.split()]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"step time median: base \(HEAD\) \d+ ms, this checkout \d+ ms", result.stdout), result.stdout
+    ratio = float(re.search(r"median ratio this/base over 2 alternating rounds: ([\d.]+)", result.stdout).group(1))
+    assert 0.2 < ratio < 5, ratio  # the same code on both sides
+    assert "dropped" not in result.stdout
+    assert re.search(r"XLA temporary memory per device: base [\d.]+ MiB, this checkout [\d.]+ MiB", result.stdout)
+
+
+def test_compare_commits_names_a_commit_that_does_not_exist():
+    result = subprocess.run([sys.executable, "-m", "bench.compare_commits", "--base", "no-such-commit"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "cannot read train.py at 'no-such-commit'" in result.stderr
