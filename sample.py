@@ -173,6 +173,9 @@ def load_config(run_dir: str) -> RunConfig:
         model, checkpoints = cfg["model"], cfg["checkpoints"]
     except (KeyError, TypeError) as e:
         raise ConfigError(f"{path} lacks {e}; it is not a seqax run's config") from None
+    # Runs trained before model.attention_block existed: sampling attends over its KV cache
+    # without blocks, and one block of the training length is the attention they were trained with.
+    model = {"attention_block": seq_len, **model} if isinstance(model, dict) else model
     model, checkpoints = config_from_dict(train.ModelConfig, model, "model."), config_from_dict(CheckpointConfig, checkpoints, "checkpoints.")
     return RunConfig(model, checkpoints, dataset_path, seq_len)
 

@@ -226,7 +226,8 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
     ]
-    if jax.devices()[0].platform == "cpu" if xla_cpu is None else xla_cpu:
+    on_xla_cpu = jax.devices()[0].platform == "cpu" if xla_cpu is None else xla_cpu
+    if on_xla_cpu:
         # XLA:CPU has no bf16 arithmetic: before the backward loop it converts every stacked
         # bf16 residual to f32 (seen in the optimized HLO), so those exist twice more in f32.
         bf16 = sum(size for shape, size, _ in saved if shape.startswith("bf16"))

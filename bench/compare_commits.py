@@ -8,13 +8,15 @@ so that a noisy machine slows both alike; the result is the median of the per-ro
 new/base, with each side's median step time and XLA's temporary memory. The base commit's
 train.py is loaded as a module of its own next to this checkout's other files, so it must work
 with them (a change confined to train.py compares cleanly). Config keys that the base's Config
-does not have are dropped for it and named. Batches are random tokens with ~4 documents a row.
+does not have are dropped for it and named. Batches are bench/measure_step.py's: random tokens,
+one document a row.
 """
 
 import argparse
 import dataclasses
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import train
+from bench.measure_step import random_batch
 from jax_extra import config_from_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,12 +38,14 @@ def load_train_at(commit: str):
     source = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:train.py"], capture_output=True, text=True)
     if source.returncode:
         sys.exit(f"bench.compare_commits: error: cannot read train.py at {commit!r}: {source.stderr.strip()}")
-    path = os.path.join(tempfile.mkdtemp(), f"train_at_{commit}.py")
-    with open(path, "w") as f:
-        f.write(source.stdout)
-    spec = importlib.util.spec_from_file_location(f"train_at_{commit}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    name = "train_at_" + re.sub(r"\W", "_", commit)  # a branch like origin/main is a valid module name too
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, f"{name}.py")
+        with open(path, "w") as f:
+            f.write(source.stdout)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module
 
 
@@ -65,11 +70,7 @@ class Side:
 
     def __init__(self, module, h):
         self.module, self.mesh = module, module.make_mesh(h.mesh.d, h.mesh.t)
-        B, L = h.training.tokens.batch, h.training.tokens.len
-        rng = np.random.default_rng(0)
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec("d", None))
-        batch = (rng.integers(1, h.model.vocab, (B, L)).astype(np.uint32), rng.random((B, L)) < 4 / L, np.ones((B, L), bool))
-        self.batch = [jax.device_put(x, sharding) for x in batch]
+        self.batch = random_batch(h, self.mesh)
         with jax.set_mesh(self.mesh):
             self.state = module.init_state(h, self.mesh)
             self.step_fn = module.training_step.lower(self.state, jnp.uint32(0), *self.batch, h).compile()

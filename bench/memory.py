@@ -55,15 +55,23 @@ def compile_abstract(h: train.Config, mesh, state: train.State):
     return train.compile_training_step(h, state, batch)
 
 
+def accelerator_estimate(h: train.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
+    """training_io's memory estimate per device of a GPU or TPU (its terms), from shapes alone
+    (no compilation), with the abstract state, layer residuals and logits it came from."""
+    with jax.set_mesh(mesh):
+        state = abstract_state(h, mesh)
+        residuals, logits = train.memory_annotations(h, mesh)
+    terms, _ = training_io.memory_estimate(state, h.model.layers, residuals, logits, xla_cpu=False)
+    return terms, state, residuals, logits
+
+
 def measure(name: str, overrides: list[str], report: bool) -> dict:
     h = train.load_config(name, overrides + ["+paths.model_name=memory"])
     train.validate_config(h, h.mesh.d * h.mesh.t, max_token_id=0)
     mesh = config_mesh(h)
+    terms, state, residuals, logits = accelerator_estimate(h, mesh)
     with jax.set_mesh(mesh):
-        state = abstract_state(h, mesh)
         compiled = compile_abstract(h, mesh, state)
-        residuals, logits = train.memory_annotations(h, mesh)
-    terms, _ = training_io.memory_estimate(state, h.model.layers, residuals, logits, xla_cpu=False)
     if report:
         title = f"{name}, mesh d={h.mesh.d} t={h.mesh.t}, compiled for {jax.devices()[0].device_kind}"
         print(training_io.memory_report(compiled, state, h.model.layers, residuals, logits, title)[0])

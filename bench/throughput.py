@@ -70,8 +70,8 @@ def show_log_tail(name: str, path: str, lines: int = 20):
 
 
 def run_child(name: str, args, timeout: float) -> Row:
-    """Runs one config in a child process, in a session of its own so that a timeout (or an
-    interrupt of this process) kills all of it."""
+    """Runs one config in a child process, in a session of its own so that a timeout, or an
+    interrupt or SIGTERM of this process, kills all of it (a SIGKILL of this process cannot)."""
     with tempfile.TemporaryDirectory() as tmp:
         row_file, log_file = os.path.join(tmp, "row.json"), os.path.join(tmp, "log.txt")
         command = [sys.executable, "-m", "bench.measure_step", "--config", name, "--row-file", row_file,
@@ -89,7 +89,8 @@ def run_child(name: str, args, timeout: float) -> Row:
                     child.wait()
         if timed_out:
             show_log_tail(name, log_file)
-            return Row(config=name, status="timeout", note=f"no result within {timeout:.0f} s; its last line: {last_line(log_file)}")
+            limit = f"{timeout:.0f} s" + ("" if timeout >= args.timeout else f" (all that --budget had left; --timeout is {args.timeout:.0f} s)")
+            return Row(config=name, status="timeout", note=f"no result within {limit}; its last line: {last_line(log_file)}")
         if not os.path.exists(row_file):  # killed from outside, e.g. by the kernel's out-of-memory killer
             show_log_tail(name, log_file)
             how = f"signal {-child.returncode}" if child.returncode < 0 else f"status {child.returncode}"
@@ -160,8 +161,16 @@ def parse_args(argv):
     return args
 
 
+def exit_on_sigterm(signum, frame):
+    """SIGTERM (a timeout of the command that runs this, a job ending) raises SystemExit, so that
+    run_child's `finally` kills the running child's process group: a child left behind would
+    keep its share of the GPU's memory."""
+    sys.exit(128 + signum)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     rows = run_all(args)
     if args.json:
         with open(args.json, "w") as f:

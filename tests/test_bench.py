@@ -1,6 +1,7 @@
 """The benchmarks: bench/throughput.py's rows and table (a config per child process, skipped,
 failed, timed-out and not-run rows), bench/gpu.sh end to end on CPU and its fail-fast checks,
-and the ladder configs (complete, valid, and as large as their comments say)."""
+and the ladder configs (complete, valid, and with the parameter counts their model files
+state). bench/compare_commits.py against HEAD. Memory figures in comments are estimates, not tested."""
 
 import json
 import math
@@ -91,6 +92,18 @@ def test_gpu_sh_fails_fast_on_wheels_that_do_not_install(tmp_path):
     assert_fails_fast_with_one_line(result, seconds, "pip could not install", "bench/gpu_wheels.sh")
 
 
+def test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure(tmp_path):
+    """XLA aborting on a flag it does not know (as jaxlib may after an upgrade) and a package
+    that breaks on import are not among gpu_check's checks: the one line is their own error."""
+    result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", XLA_FLAGS="--xla_no_such_flag=1")
+    assert_fails_fast_with_one_line(result, seconds, "Unknown flag in XLA_FLAGS: --xla_no_such_flag=1")
+    broken = tmp_path / "site" / "zarr"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise AttributeError('zarr broke on import')\n")
+    result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", PYTHONPATH=str(tmp_path / "site"))
+    assert_fails_fast_with_one_line(result, seconds, "AttributeError: zarr broke on import")
+
+
 def run_throughput(*args):
     return subprocess.run([sys.executable, "-m", "bench.throughput", *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
 
@@ -171,3 +184,45 @@ def test_compare_commits_names_a_commit_that_does_not_exist():
     result = subprocess.run([sys.executable, "-m", "bench.compare_commits", "--base", "no-such-commit"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "cannot read train.py at 'no-such-commit'" in result.stderr
+
+
+def test_throughput_takes_its_child_along_when_terminated():
+    """SIGTERM to bench/throughput.py while a config runs ends the child process too (on a GPU
+    an orphan would keep its memory)."""
+    command = [sys.executable, "-m", "bench.throughput", "--config", "local_test_synthetic", "--steps", "100000", "--", *TINY_ONE_DEVICE.split()]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    parent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def children_of(pid: int) -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+    deadline = time.monotonic() + 60
+    while not children_of(parent.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    [child] = children_of(parent.pid)
+    parent.terminate()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}"), "the child outlived its parent"
+
+
+@pytest.mark.parametrize("name", LADDER)
+def test_ladder_memory_estimate_is_the_one_its_comment_states(name):
+    """Each ladder config's comment states training_io's memory estimate for its accelerator; it
+    must stay true when the model's saved activations change (recomputed from shapes alone)."""
+    h = train.load_config(name, ["+paths.model_name=memory"])
+    terms, *_ = memory.accelerator_estimate(h, memory.config_mesh(h))
+    estimate = sum(size for _, size in terms) / 2**30
+    with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
+        stated = float(re.search(r"training_io's estimate ([\d.]+) GiB", f.read()).group(1))
+    assert abs(estimate - stated) <= 0.05, (name, estimate, stated)

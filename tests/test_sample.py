@@ -114,3 +114,17 @@ def test_command_line_prints_text(text_run, capsys):
         text_like = sum(c.isprintable() and c != "\ufffd" or c in "\n\t" for c in body)  # \ufffd: a byte that is not UTF-8
         assert text_like >= 0.9 * len(body), body
     print(out, file=sys.stderr)
+
+
+def test_a_run_trained_before_attention_blocks_still_loads(text_run, tmp_path):
+    """A config.yaml written before model.attention_block existed loads (the key is training's
+    alone; one block of the training length stands in) and samples."""
+    old = tmp_path / "old_run"
+    old.mkdir()
+    os.symlink(os.path.join(text_run, "checkpoints"), old / "checkpoints", target_is_directory=True)
+    config = OmegaConf.load(os.path.join(text_run, "config.yaml"))
+    del config.model["attention_block"]
+    OmegaConf.save(config, old / "config.yaml")
+    h = sample.load_config(str(old))
+    assert h.model.attention_block == h.seq_len
+    sample.main(["--run-dir", str(old), "--prompt", "a", "--max-new-tokens", "3", "--seed", "0"])
