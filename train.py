@@ -567,10 +567,12 @@ def validate_config(h: Config, n_devices: int, max_token_id: int):
         raise ConfigError(f"eval_interval={h.eval_interval} and eval_batches={h.eval_batches} must not be negative (eval_batches=0 turns evaluation off)")
 
 
-def compile_training_step(h: Config, state: State, loader):
-    """training_step compiled ahead of time for this state and the loader's batches, so that
-    the run reports its compile time, FLOPs and memory before the first step; the loop runs it."""
-    batch = [jax.ShapeDtypeStruct(loader.shape, dtype, sharding=loader.sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
+def compile_training_step(h: Config, state: State, mesh):
+    """training_step compiled ahead of time for this state (arrays or ShapeDtypeStructs) and
+    batches of the config's shape split over d, as the loader makes them, so that the run reports
+    its compile time, FLOPs and memory before the first step; the loop runs it."""
+    shape, sharding = (h.training.tokens.batch, h.training.tokens.len), jax.NamedSharding(mesh, P("d", None))
+    batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
     return training_step.lower(state, jnp.uint32(0), *batch, h).compile()
 
 
@@ -622,7 +624,7 @@ def train(h: Config, resolved_yaml: str):
     with jax.set_mesh(mesh), PreemptionWatch() as preemption:
         start, state = restored or (0, init_state(h, mesh))
         # Compile time, FLOPs, optimized HLO and memory report, before the first step runs.
-        step_fn = log.compile(lambda: compile_training_step(h, state, loader))
+        step_fn = log.compile(lambda: compile_training_step(h, state, mesh))
         log.memory_report(step_fn, state, *memory_annotations(h, mesh))
         pending = None  # log step s after dispatching step s+1, so logging never stalls the device
         try:

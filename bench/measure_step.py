@@ -51,7 +51,7 @@ def time_steps(h: train.Config, steps: int, warmup: int):
     with jax.set_mesh(mesh):
         state = train.init_state(h, mesh)
         started = time.perf_counter()
-        step_fn = train.training_step.lower(state, jnp.uint32(0), *batch, h).compile()
+        step_fn = train.compile_training_step(h, state, mesh)
         compile_seconds = time.perf_counter() - started
         progress(f"compiled in {compile_seconds:.1f} s")
         for step in range(warmup + steps):

@@ -17,11 +17,8 @@ Two figures per device, both in GiB:
 
 import argparse
 import math
-import types
 
 import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import train
 import training_io
@@ -49,12 +46,6 @@ def config_mesh(h: train.Config):
     return train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:needed])
 
 
-def compile_abstract(h: train.Config, mesh, state: train.State):
-    """training_step compiled for abstract batches of the config's shape (as a loader's)."""
-    batch = types.SimpleNamespace(shape=(h.training.tokens.batch, h.training.tokens.len), sharding=NamedSharding(mesh, P("d")))
-    return train.compile_training_step(h, state, batch)
-
-
 def accelerator_estimate(h: train.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
     """training_io's memory estimate per device of a GPU or TPU (its terms), from shapes alone
     (no compilation), with the abstract state, layer residuals and logits it came from."""
@@ -71,7 +62,7 @@ def measure(name: str, overrides: list[str], report: bool) -> dict:
     mesh = config_mesh(h)
     terms, state, residuals, logits = accelerator_estimate(h, mesh)
     with jax.set_mesh(mesh):
-        compiled = compile_abstract(h, mesh, state)
+        compiled = train.compile_training_step(h, state, mesh)
     if report:
         title = f"{name}, mesh d={h.mesh.d} t={h.mesh.t}, compiled for {jax.devices()[0].device_kind}"
         print(training_io.memory_report(compiled, state, h.model.layers, residuals, logits, title)[0])

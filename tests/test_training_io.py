@@ -53,9 +53,8 @@ def test_formula_agrees_with_xla_cost_analysis_for_one_layer():
     L positions: with more, the attention's block loop would be counted once too."""
     h = load_config("local_test_synthetic", ["+paths.model_name=flops", "model.layers=1", "model.attention_block=64"])
     mesh = make_mesh(h.mesh.d, h.mesh.t)
-    loader = types.SimpleNamespace(shape=(h.training.tokens.batch, h.training.tokens.len), sharding=jax.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
     with jax.set_mesh(mesh):
-        compiled = train.compile_training_step(h, abstract_state(h, mesh), loader)
+        compiled = train.compile_training_step(h, abstract_state(h, mesh), mesh)
     cost = compiled.cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"] * jax.device_count()
     formula = training_io.model_flops_per_token(h.model, h.training.tokens.len) * h.training.tokens.batch * h.training.tokens.len
