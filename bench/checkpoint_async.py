@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import config
 import train
 from checkpoint import CheckpointConfig, Checkpointer
 
@@ -67,7 +68,7 @@ def main(argv=None):
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. model.d_model=512")
     args = parser.parse_args(argv)
-    h = train.load_config(args.config, args.overrides + ["+paths.model_name=bench"])
+    h = config.load_config(args.config, args.overrides + ["+paths.model_name=bench"])
     mesh = train.make_mesh(h.mesh.d, h.mesh.t)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(h, mesh))))
     cfg = CheckpointConfig(keep=args.keep, compression=args.compression, level=3, threads=8)

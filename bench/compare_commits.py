@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import config
 import train
 from bench.measure_step import random_batch
 from jax_extra import config_from_dict
@@ -91,7 +92,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds, each one step of each version, after one warm-up round")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for both versions, e.g. training.tokens.len=2048")
     args = parser.parse_args(argv)
-    h = train.load_config(args.config, args.overrides + ["+paths.model_name=compare"])
+    h = config.load_config(args.config, args.overrides + ["+paths.model_name=compare"])
     base_module = load_train_at(args.base)
     values, dropped = keys_known_to(base_module.Config, dataclasses.asdict(h))
     if dropped:

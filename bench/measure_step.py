@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import config
 import train
 import training_io
 from bench.throughput import Row
@@ -74,14 +75,14 @@ def peak_memory(compiled) -> tuple[int | None, str]:
 
 
 def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
-    h = train.load_config(name, overrides + ["+paths.model_name=bench"])
+    h = config.load_config(name, overrides + ["+paths.model_name=bench"])
     n = jax.device_count()
     row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={h.mesh.d} t={h.mesh.t}", steps=steps,
               warmup=warmup, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
     if h.mesh.d * h.mesh.t != n:
         row.status, row.note = "skipped", f"its mesh is for {h.mesh.d * h.mesh.t} device(s), this machine has {n}"
         return row
-    train.validate_config(h, n, max_token_id=0)  # the batch is random tokens below model.vocab
+    config.validate_config(h, n, max_token_id=0)  # the batch is random tokens below model.vocab
     compiled, row.compile_seconds, times = time_steps(h, steps, warmup)
     row.step_time_median_s, row.step_time_min_s, row.step_time_max_s = float(np.median(times)), min(times), max(times)
     row.tokens_per_second = row.tokens_per_step / row.step_time_median_s

@@ -20,6 +20,7 @@ import math
 
 import jax
 
+import config
 import train
 import training_io
 from shardlib.shardtypes import make_shardings
@@ -57,8 +58,8 @@ def accelerator_estimate(h: train.Config, mesh) -> tuple[list[tuple[str, int]], 
 
 
 def measure(name: str, overrides: list[str], report: bool) -> dict:
-    h = train.load_config(name, overrides + ["+paths.model_name=memory"])
-    train.validate_config(h, h.mesh.d * h.mesh.t, max_token_id=0)
+    h = config.load_config(name, overrides + ["+paths.model_name=memory"])
+    config.validate_config(h, h.mesh.d * h.mesh.t, max_token_id=0)
     mesh = config_mesh(h)
     terms, state, residuals, logits = accelerator_estimate(h, mesh)
     with jax.set_mesh(mesh):

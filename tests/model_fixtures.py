@@ -4,7 +4,7 @@ import jax
 import numpy as np
 
 import train
-from train import load_config
+from config import load_config
 
 # Every weight dimension that a mesh axis splits divides 8, so every mesh of 8 devices fits.
 TINY = [

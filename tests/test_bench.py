@@ -14,6 +14,7 @@ import time
 import jax
 import pytest
 
+import config
 import train
 from bench import memory, throughput
 
@@ -153,9 +154,9 @@ def independent_parameter_count(m: train.ModelConfig) -> int:
 
 @pytest.mark.parametrize("name", LADDER)
 def test_ladder_config_is_valid_and_as_large_as_its_model_file_says(name):
-    h = train.load_config(name, ["+paths.model_name=check"])
+    h = config.load_config(name, ["+paths.model_name=check"])
     n_devices = h.mesh.d * h.mesh.t
-    train.validate_config(h, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
+    config.validate_config(h, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
     assert h.model.vocab == 32768 and h.model.attention_block == 512 and h.training.tokens.len == 2048
     size = name.split("_")[1]
     with open(os.path.join(ROOT, "configs", "ladder", f"model_{size}.yaml")) as f:
@@ -220,7 +221,7 @@ def test_throughput_takes_its_child_along_when_terminated():
 def test_ladder_memory_estimate_is_the_one_its_comment_states(name):
     """Each ladder config's comment states training_io's memory estimate for its accelerator; it
     must stay true when the model's saved activations change (recomputed from shapes alone)."""
-    h = train.load_config(name, ["+paths.model_name=memory"])
+    h = config.load_config(name, ["+paths.model_name=memory"])
     terms, *_ = memory.accelerator_estimate(h, memory.config_mesh(h))
     estimate = sum(size for _, size in terms) / 2**30
     with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
