@@ -33,25 +33,11 @@ import zarr
 from jax.experimental import multihost_utils
 
 import sharded_zarr
-from jax_extra import ConfigError
+from config import CheckpointConfig, CheckpointError, ConfigError
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^\d{10}$")
 MARKER_TIMEOUT_S = 1800.0  # how long process 0 waits for the other processes' writes
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """The `checkpoints:` section of the training config (the interval is `checkpoint_interval`)."""
-
-    keep: int  # newest complete checkpoints kept; older ones are deleted (0 keeps all)
-    compression: str  # none, zstd or blosc
-    level: int  # compression level: zstd 1..22, blosc 0..9 (ignored for none)
-    threads: int  # chunks read or written in parallel by each process
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint does not fit the state (array names, shapes, dtypes) or none is readable."""
 
 
 class CorruptCheckpoint(Exception):

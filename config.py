@@ -1,19 +1,49 @@
-"""The configuration of a run: numbers and paths only, never code paths (train.py reads it).
+"""The configuration of a run and the errors a user can fix. A leaf: imports no module of ours.
 
-Every key is required (configs/*.yaml); a key's comment says what it sets. Dimension letters
+Every key is required (configs/*.yaml); a key's comment says what it sets. Configuration sets
+numbers and paths; the few keys that pick a behaviour (dataset.packed, checkpoints.compression,
+distributed.*) choose what is read or written, never which model or step runs. Dimension letters
 (M, Q, K, D, F, V, B, L) are the ones train.py's docstring names.
 """
 
 import dataclasses
 import os
+import typing
 
 import hydra
 from omegaconf import OmegaConf
 
-from checkpoint import CheckpointConfig
-from data_loader import DatasetConfig
-from jax_extra import ConfigError, config_from_dict
-from multihost import DistributedConfig
+# ---------------------------------------------------------------------------------------------
+# Errors. Each entry point prints a SeqaxError as one line (`seqax: error: ...`) and exits 2;
+# anything else is a bug and keeps its traceback.
+
+
+class SeqaxError(Exception):
+    """A failure the user can fix; the message names the value and what would fix it."""
+
+
+class ConfigError(SeqaxError):
+    """The configuration (or a command-line flag) does not fit the program, the data or the devices."""
+
+
+class DatasetError(SeqaxError):
+    """The dataset on disk is missing or malformed; the message names the path and the problem."""
+
+
+class TokenizerError(SeqaxError):
+    """The tokenizer cannot be loaded or does not fit flat-tokens."""
+
+
+class CheckpointError(SeqaxError):
+    """A checkpoint does not fit the state (array names, shapes, dtypes) or none is readable."""
+
+
+class DistributedError(SeqaxError):
+    """The processes could not form a run (bad settings, or a peer that never connected)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The sections of a training config.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +83,49 @@ class TrainingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    d: int
-    t: int
+    d: int  # devices over the batch and (FSDP) the weights
+    t: int  # devices over heads, d_ff and vocabulary (tensor parallelism)
 
 
 @dataclasses.dataclass(frozen=True)
 class PathsConfig:
     root_working_dir: str
-    model_name: str
+    model_name: str  # the run directory is root_working_dir/model_name
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetConfig:
+    """The `dataset:` section: what data_loader.py reads and in which order."""
+
+    path: str  # a flat-tokens zarr (docs/flat-tokens.md)
+    packed: bool  # true: rows are L consecutive tokens; false: one document per row, padded
+    seed: int  # of the shuffle; the batch of a step depends on it and nothing else random
+    streams: int  # S, independent regions of the shuffled epoch that every batch draws from
+    read_block_tokens: int  # K = max(1, read_block_tokens // L) rows are read together
+    shuffle_buffer_tokens: int  # W = max(K, shuffle_buffer_tokens // L) rows shuffled together
+    prefetch: int  # batches prepared ahead by a background thread; 0 prepares in batch()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoints:` section (the interval is `checkpoint_interval`), read by checkpoint.py."""
+
+    keep: int  # newest complete checkpoints kept; older ones are deleted (0 keeps all)
+    compression: str  # none, zstd or blosc
+    level: int  # compression level: zstd 1..22, blosc 0..9 (ignored for none)
+    threads: int  # chunks read or written in parallel by each process
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """The `distributed:` section, read by multihost.py. Empty values mean: the environment
+    variable, else what JAX detects on the cluster; with nothing set the run is one process."""
+
+    coordinator_address: str  # "host:port" of process 0; "": $JAX_COORDINATOR_ADDRESS, else detected
+    num_processes: int  # 0: $JAX_NUM_PROCESSES, else the cluster's task count, else 1 (no jax.distributed)
+    process_id: int  # -1: $JAX_PROCESS_ID, else detected
+    initialization_timeout_seconds: int  # how long a process waits for all the others to connect
+    heartbeat_timeout_seconds: int  # a process silent this long is dead: the others stop with an error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,33 +142,35 @@ class Config:
     distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
 
 
-def validate_config(h: Config, n_devices: int, max_token_id: int):
-    """Every mismatch between config, devices and data, found before any compilation."""
-    m, d, t = h.model, h.mesh.d, h.mesh.t
-    if d < 1 or t < 1 or d * t != n_devices:
-        raise ConfigError(f"mesh.d={d} x mesh.t={t} = {d * t} must equal the {n_devices} devices; choose mesh.d and mesh.t whose product is {n_devices}")
-    divisible = [
-        ("training.tokens.batch", h.training.tokens.batch, "mesh.d", d),
-        ("model.d_model", m.d_model, "mesh.d", d),
-        ("model.n_kv", m.n_kv, "mesh.t", t),
-        ("model.d_ff", m.d_ff, "mesh.t", t),
-        ("model.vocab", m.vocab, "mesh.t", t),
-    ]
-    for key, value, axis_key, axis in divisible:
-        if value <= 0 or value % axis:
-            raise ConfigError(f"{key}={value} is not divisible by {axis_key}={axis}; make it a positive multiple of {axis}")
-    if m.attention_block < 1 or h.training.tokens.len % m.attention_block:
-        raise ConfigError(f"model.attention_block={m.attention_block} must divide training.tokens.len={h.training.tokens.len}")
-    if m.d_head % 2:
-        raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
-    if m.vocab <= max_token_id:
-        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; set model.vocab to at least {max_token_id + 1}")
-    if h.training.steps < 1 or h.training.warmup_steps < 0 or h.training.tokens.len < 1:
-        raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
-    if h.checkpoint_interval < 0:
-        raise ConfigError(f"checkpoint_interval={h.checkpoint_interval} must be 0 (save only at the end and on SIGTERM) or a positive step count")
-    if h.eval_interval < 0 or h.eval_batches < 0:
-        raise ConfigError(f"eval_interval={h.eval_interval} and eval_batches={h.eval_batches} must not be negative (eval_batches=0 turns evaluation off)")
+# ---------------------------------------------------------------------------------------------
+# Loading and validation.
+
+
+def config_from_dict(cls, values, where: str = ""):
+    """Builds the frozen dataclass `cls` from nested dicts; every field is required and every
+    key must be a field (a typo is an error, not silently ignored)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config key {where.rstrip('.') or '<root>'} must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key {where}{unknown[0]} (known keys here: {', '.join(sorted(fields))})")
+    out = {}
+    for name in fields:
+        key = f"{where}{name}"
+        if name not in values:
+            raise ConfigError(f"config is missing key {key} (set it in the YAML or with +{key}=...)")
+        t, v = hints[name], values[name]
+        if dataclasses.is_dataclass(t):
+            out[name] = config_from_dict(t, v, f"{key}.")
+            continue
+        if t is float and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, t) or (t is int and isinstance(v, bool)):
+            raise ConfigError(f"config key {key} must be {t.__name__}, got {v!r}")
+        out[name] = v
+    return cls(**out)
 
 
 def load_config(name: str, overrides: list[str]) -> Config:
@@ -111,3 +178,45 @@ def load_config(name: str, overrides: list[str]) -> Config:
     with hydra.initialize_config_dir(config_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"), version_base=None):
         cfg = hydra.compose(config_name=name, overrides=overrides)
     return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
+
+
+def mesh_misfit(m: ModelConfig, d: int, t: int) -> str | None:
+    """The first weight dimension that a (d, t) mesh does not split evenly, as 'model.KEY=N is
+    not divisible by mesh.AXIS=N', or None when every sharded dimension divides. The rule of
+    the weights' annotations in train.py (M over d; heads, d_ff and vocabulary over t)."""
+    for key, value, axis, size in (("d_model", m.d_model, "d", d), ("n_kv", m.n_kv, "t", t), ("d_ff", m.d_ff, "t", t), ("vocab", m.vocab, "t", t)):
+        if value % size:
+            return f"model.{key}={value} is not divisible by mesh.{axis}={size}"
+    return None
+
+
+def check_attention_blocks(h: ModelConfig, length: int):
+    """The attention kernel works on whole blocks: model.attention_block must divide the length."""
+    if h.attention_block < 1 or length % h.attention_block:
+        raise ConfigError(f"model.attention_block={h.attention_block} must divide training.tokens.len={length}")
+
+
+def validate_config(cfg: Config, n_devices: int, max_token_id: int):
+    """Every mismatch between config, devices and data, found before any compilation."""
+    m, d, t = cfg.model, cfg.mesh.d, cfg.mesh.t
+    if d < 1 or t < 1 or d * t != n_devices:
+        raise ConfigError(f"mesh.d={d} x mesh.t={t} = {d * t} must equal the {n_devices} devices; choose mesh.d and mesh.t whose product is {n_devices}")
+    for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("d_ff", m.d_ff), ("vocab", m.vocab)):
+        if value <= 0:
+            raise ConfigError(f"model.{key}={value} must be positive")
+    misfit = mesh_misfit(m, d, t)
+    if misfit:
+        raise ConfigError(f"{misfit}; make it a multiple of the mesh axis, or change the mesh")
+    if cfg.training.tokens.batch <= 0 or cfg.training.tokens.batch % d:
+        raise ConfigError(f"training.tokens.batch={cfg.training.tokens.batch} is not divisible by mesh.d={d}; make it a positive multiple of {d}")
+    check_attention_blocks(m, cfg.training.tokens.len)
+    if m.d_head % 2:
+        raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
+    if m.vocab <= max_token_id:
+        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; set model.vocab to at least {max_token_id + 1}")
+    if cfg.training.steps < 1 or cfg.training.warmup_steps < 0 or cfg.training.tokens.len < 1:
+        raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
+    if cfg.checkpoint_interval < 0:
+        raise ConfigError(f"checkpoint_interval={cfg.checkpoint_interval} must be 0 (save only at the end and on SIGTERM) or a positive step count")
+    if cfg.eval_interval < 0 or cfg.eval_batches < 0:
+        raise ConfigError(f"eval_interval={cfg.eval_interval} and eval_batches={cfg.eval_batches} must not be negative (eval_batches=0 turns evaluation off)")

@@ -36,20 +36,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flat_tokens import DatasetError, FlatTokens
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetConfig:
-    """The `dataset:` section of the training config."""
-
-    path: str  # a flat-tokens zarr (docs/flat-tokens.md)
-    packed: bool  # true: rows are L consecutive tokens; false: one document per row, padded
-    seed: int  # of the shuffle; the batch of a step depends on it and nothing else random
-    streams: int  # S, independent regions of the shuffled epoch that every batch draws from
-    read_block_tokens: int  # K = max(1, read_block_tokens // L) rows are read together
-    shuffle_buffer_tokens: int  # W = max(K, shuffle_buffer_tokens // L) rows shuffled together
-    prefetch: int  # batches prepared ahead by a background thread; 0 prepares in batch()
+from config import DatasetConfig, DatasetError
+from flat_tokens import FlatTokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,13 +16,11 @@ import uuid
 import numpy as np
 import zarr
 
+from config import DatasetError
+
 FORMAT = "flat-tokens/1"
 SPLITS = ("train", "validation")
 CHUNK_TOKENS = 1 << 20
-
-
-class DatasetError(ValueError):
-    """The dataset on disk is missing or malformed; the message names the path and the problem."""
 
 
 @dataclasses.dataclass(frozen=True)

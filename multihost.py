@@ -7,28 +7,12 @@ Every process runs the same program on its own devices; the mesh spans the devic
 them, and each process loads, computes and writes only what its devices hold.
 """
 
-import dataclasses
 import os
+import sys
 
 import jax
 
-from jax_extra import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class DistributedConfig:
-    """The `distributed:` section of the training config. Empty values mean: the environment
-    variable, else what JAX detects on the cluster; with nothing set the run is one process."""
-
-    coordinator_address: str  # "host:port" of process 0; "": $JAX_COORDINATOR_ADDRESS, else detected
-    num_processes: int  # 0: $JAX_NUM_PROCESSES, else the cluster's task count, else 1 (no jax.distributed)
-    process_id: int  # -1: $JAX_PROCESS_ID, else detected
-    initialization_timeout_seconds: int  # how long a process waits for all the others to connect
-    heartbeat_timeout_seconds: int  # a process silent this long is dead: the others stop with an error
-
-
-class DistributedError(ConfigError):
-    """The processes could not form a run (bad settings, or a peer that never connected)."""
+from config import ConfigError, DistributedConfig, DistributedError
 
 
 def _env_int(name: str) -> int | None:
@@ -104,3 +88,15 @@ def console_name() -> str:
     if jax.distributed.is_initialized() and jax.process_index() != 0:
         return f"seqax[process {jax.process_index()}]"
     return "seqax"
+
+
+def exit_if_peer_lost(error: Exception):
+    """In a run of several processes, a collective whose peer died fails with a runtime error
+    (its connection is reset, or it times out): print one line that says so and exit 1. With one
+    process, return, so the caller re-raises the error with its traceback."""
+    if jax.process_count() == 1:
+        return
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"{console_name()}: error: {first}; with {jax.process_count()} processes this usually means that another process "
+          "died (see its log)", file=sys.stderr, flush=True)
+    os._exit(1)  # not sys.exit: jax.distributed's shutdown would wait for the dead process at exit

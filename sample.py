@@ -7,8 +7,8 @@ The run's config.yaml gives the model and the dataset, whose tokenizer encodes t
 decodes the samples. A sample is a new document: its inputs are token 0 (begin of document),
 then the prompt's tokens, then each generated token. Prefill runs the prompt through the model
 once and fills the cache; then every step feeds one token per sample and appends its keys and
-values. The model's math is train.py's own (embed_tokens, attention_qkv, attention_output,
-feed_forward, output_logits); only where keys and values come from differs.
+values. The model's math is train.py's own (embed_tokens, transformer_layer, output_logits);
+only the attention differs: over the KV cache, with attention.dense_attention.
 
 Sharding: samples over `d` (padded up to a multiple of it), heads, d_ff and vocabulary over
 `t`, as in training; the cache is typed like the weights, so its size per device is visible
@@ -18,9 +18,7 @@ for any --num-samples.
 """
 
 import argparse
-import dataclasses
 import math
-import os
 import sys
 from functools import partial
 
@@ -30,15 +28,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from omegaconf import OmegaConf
 
 import train
-from checkpoint import CheckpointConfig, Checkpointer
-from flat_tokens import DatasetError
-from jax_extra import ConfigError, config_from_dict
-from shardlib.shardops import einsum_unreduced
+from attention import causal_document_mask, dense_attention
+from config import ConfigError, ModelConfig, SeqaxError
+from runs import load_run_config, load_weights, run_mesh
 from shardlib.shardtypes import Array, bf16, f32, make_shardings, pytree_dataclass, typechecked, typed_shard_map, u32
-from tools.tokenizer import TokenizerError, dataset_tokenizer
+from tokenizer import dataset_tokenizer
 
 
 @pytree_dataclass
@@ -49,7 +45,7 @@ class KVCache:
     v: Array[b"layers", bf16[b"B/d S K/t D"]]
 
 
-def init_cache(h: train.ModelConfig, batch: int, length: int, mesh) -> KVCache:
+def init_cache(h: ModelConfig, batch: int, length: int, mesh) -> KVCache:
     @partial(jax.jit, out_shardings=make_shardings(KVCache, mesh))
     def zeros():
         shape = (h.layers, batch, length, h.n_kv, h.d_head)
@@ -58,37 +54,28 @@ def init_cache(h: train.ModelConfig, batch: int, length: int, mesh) -> KVCache:
     return zeros()
 
 
-def dense_attention(q, k, v, mask):
-    """Attention of queries q [B, L, Q, K, D] over keys and values k, v [B, S, K, D] with the
-    L x S scores materialized; mask [B, L, S] is True where a query may see a key. Used for new
-    tokens against the KV cache (L is small there); training uses train.blockwise_attention."""
-    logits = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q, k) * (q.shape[-1] ** -0.5)
-    logits = jnp.where(mask[:, None, None, :, :], logits, -1e30)  # every row keeps its diagonal
-    logits = logits - lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    probs = jnp.exp(logits)
-    probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(v.dtype)
-    return einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v).astype(q.dtype)
-
-
 @typechecked
-def forward_cached(h: train.ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
+def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
     """Runs inputs at cache positions [start, start + L): writes their keys and values into the
     cache and attends over the cache up to each position. Returns the logits of the last input."""
     B, L = inputs.shape
     S = cache.k.shape[2]
     position = start + jnp.arange(L, dtype=jnp.uint32)  # one document per row: RoPE position = cache position
-    # Causal over the cache; positions after the last written one are masked out.
-    mask = jnp.broadcast_to(jnp.arange(S, dtype=jnp.uint32)[None, :] <= position[:, None], (B, L, S))
+    # Causal over the cache (positions after the last written one are in the future); one document.
+    one_document = jnp.zeros((B, L), jnp.uint32), jnp.zeros((B, S), jnp.uint32)
+    mask = causal_document_mask(position, jnp.arange(S, dtype=jnp.uint32), *one_document)
     position = jnp.broadcast_to(position, (B, L))
     x = train.embed_tokens(w, inputs)
 
     def layer(x, weights_and_cache):
         w_layer, k_cache, v_cache = weights_and_cache
-        q, k, v = train.attention_qkv(h, x, w_layer, position)
-        k_cache = lax.dynamic_update_slice_in_dim(k_cache, k, start, axis=1)  # B S K D
-        v_cache = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
-        x = x + train.attention_output(h, dense_attention(q, k_cache, v_cache, mask), w_layer)
-        return x + train.feed_forward(h, x, w_layer), (k_cache, v_cache)
+
+        def attend_over_cache(q, k, v):
+            k_all = lax.dynamic_update_slice_in_dim(k_cache, k, start, axis=1)  # B S K D
+            v_all = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
+            return dense_attention(q, k_all, v_all, mask), (k_all, v_all)
+
+        return train.transformer_layer(h, x, w_layer, position, attend_over_cache)
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))
     return train.output_logits(h, w, x[:, -1:])[:, 0], KVCache(k, v)
@@ -112,7 +99,7 @@ def choose_tokens(logits, key, index, temperature: float, top_k: int, max_token_
 
 
 @partial(jax.jit, static_argnames=("h", "temperature", "top_k", "max_token_id"), donate_argnames=("cache",))
-def decode_step(weights, cache, inputs, start, key, index, h: train.ModelConfig, temperature: float, top_k: int, max_token_id: int):
+def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, temperature: float, top_k: int, max_token_id: int):
     """Prefill (L = prompt length + 1) or one decoding step (L = 1): (next tokens [B, 1], cache)."""
 
     @typed_shard_map
@@ -123,7 +110,7 @@ def decode_step(weights, cache, inputs, start, key, index, h: train.ModelConfig,
     return choose_tokens(logits, key, index, temperature, top_k, max_token_id)[:, None], cache
 
 
-def generate(h: train.ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
+def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None, verbose: bool = False) -> np.ndarray:
     """max_new_tokens tokens [num_samples, max_new_tokens] after the prompt's ids."""
     d = mesh.shape["d"]
@@ -148,69 +135,6 @@ def generate(h: train.ModelConfig, weights: train.Model, mesh, prompt: list[int]
         return np.concatenate(jax.device_get(out), axis=1)[:num_samples]
 
 
-# ---------------------------------------------------------------------------------------------
-# Loading a run.
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """What sampling and export need of a run's config.yaml. Only these sections are read, so
-    runs written before a training-only key was added still load."""
-
-    model: train.ModelConfig
-    checkpoints: CheckpointConfig
-    dataset_path: str
-    seq_len: int  # training.tokens.len
-
-
-def load_config(run_dir: str) -> RunConfig:
-    path = os.path.join(run_dir, "config.yaml")
-    if not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist; --run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    try:
-        dataset_path, seq_len = cfg["dataset"]["path"], cfg["training"]["tokens"]["len"]
-        model, checkpoints = cfg["model"], cfg["checkpoints"]
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{path} lacks {e}; it is not a seqax run's config") from None
-    # Runs trained before model.attention_block existed: sampling attends over its KV cache
-    # without blocks, and one block of the training length is the attention they were trained with.
-    model = {"attention_block": seq_len, **model} if isinstance(model, dict) else model
-    model, checkpoints = config_from_dict(train.ModelConfig, model, "model."), config_from_dict(CheckpointConfig, checkpoints, "checkpoints.")
-    return RunConfig(model, checkpoints, dataset_path, seq_len)
-
-
-def default_mesh_shape(h: train.ModelConfig, devices: int) -> tuple[int, int]:
-    """(d, t): the most tensor parallelism that divides the heads, d_ff and vocabulary."""
-    t = max(t for t in range(1, devices + 1) if devices % t == 0 and h.n_kv % t == 0 and h.d_ff % t == 0 and h.vocab % t == 0)
-    return devices // t, t
-
-
-def make_mesh(h: train.ModelConfig, d: int | None, t: int | None):
-    n = jax.device_count()
-    if d is None or t is None:
-        d, t = default_mesh_shape(h, n)
-    if d * t != n:
-        raise ConfigError(f"--mesh-d {d} x --mesh-t {t} must equal the {n} devices")
-    for name, value, axis, size in (("d_model", h.d_model, "d", d), ("n_kv", h.n_kv, "t", t), ("d_ff", h.d_ff, "t", t), ("vocab", h.vocab, "t", t)):
-        if value % size:
-            raise ConfigError(f"model.{name}={value} is not divisible by mesh {axis}={size}; choose --mesh-d/--mesh-t that divide it")
-    return train.make_mesh(d, t)
-
-
-def load_weights(run_dir: str, h: RunConfig, mesh, step: int | None = None) -> tuple[int, train.Model]:
-    """The weights of checkpoint `step` (default: the newest committed one), read only."""
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), h.checkpoints)
-    try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise ConfigError(f"{run_dir}/checkpoints holds no committed checkpoint")
-        shapes = {"weights": jax.eval_shape(lambda: train.init_weights(h.model, jax.random.key(0)))}
-        return step, checkpointer.read(step, shapes, {"weights": make_shardings(train.Model, mesh)})["weights"]
-    finally:
-        checkpointer.close()
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True, help="a run directory: config.yaml and checkpoints/")
@@ -228,16 +152,16 @@ def main(argv=None):
     try:
         if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
             raise ConfigError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k not negative")
-        h = load_config(args.run_dir)
-        tokenizer = dataset_tokenizer(args.dataset or h.dataset_path)
+        run = load_run_config(args.run_dir)
+        tokenizer = dataset_tokenizer(args.dataset or run.dataset_path)
         prompt = [int(i) for i in tokenizer.encode([args.prompt])[0] if int(i) != tokenizer.eos_id]
-        mesh = make_mesh(h.model, args.mesh_d, args.mesh_t)
-        step, weights = load_weights(args.run_dir, h, mesh, args.step)
+        mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
+        step, weights = load_weights(args.run_dir, run, mesh, args.step)
         print(f"checkpoint {step} of {args.run_dir}, mesh d={mesh.shape['d']} t={mesh.shape['t']}, prompt of {len(prompt)} tokens", file=sys.stderr)
-        top_k = min(args.top_k, h.model.vocab)
-        tokens = generate(h.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed,
+        top_k = min(args.top_k, run.model.vocab)
+        tokens = generate(run.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed,
                           max_token_id=tokenizer.vocab_size - 1, verbose=True)
-    except (ConfigError, DatasetError, TokenizerError) as e:
+    except SeqaxError as e:
         print(f"seqax: error: {e}", file=sys.stderr)
         sys.exit(2)
     for i, row in enumerate(tokens):

@@ -27,28 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 import tensorboardX
 from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import NamedSharding, PartitionSpec
 
 import hlo_graph
-from jax_extra import SAVED_NAME
+from jax_extra import SAVED_NAME, explicit_activation_checkpointing
 
 # ---------------------------------------------------------------------------------------------
-# FLOPs and peak rates.
-
-
-def model_flops_per_token(m, seq_len: int) -> float:
-    """Training FLOPs per token of the model config `m` (train.ModelConfig), counted by hand:
-    2 FLOPs per multiply-add of every matmul of the forward pass, times 3 for forward + backward
-    (the backward does two matmuls per forward matmul: one for the input's gradient, one for the
-    weight's). Attention counts QK^T and PV over the causal half of the L x L scores, as if
-    masked work were skipped (PaLM, Chowdhery et al. 2022, appendix B, counts it the same way).
-    Norms, RoPE, softmax, the embedding lookup and the optimizer are left out (under 1% at
-    useful sizes); so is recomputation in the backward pass: this is MFU, not HFU."""
-    M, Q, K, D, F, V = m.d_model, m.n_q_per_kv, m.n_kv, m.d_head, m.d_ff, m.vocab
-    projections = 2 * M * (Q * K * D) + 2 * (2 * M * (K * D)) + 2 * (Q * K * D) * M  # q; k and v; out
-    ffn = 3 * (2 * M * F)  # gate, up, down
-    attention = 2 * (2 * (Q * K * D) * seq_len) / 2  # QK^T and PV against every key, halved
-    forward = m.layers * (projections + ffn + attention) + 2 * M * V  # + the unembedding
-    return 3.0 * forward
+# FLOPs and peak rates. The model's FLOPs per token are train.model_flops_per_token, passed in.
 
 
 # Peak dense bfloat16 matmul rate per device, by jax.Device.device_kind (first full match).
@@ -115,8 +100,9 @@ def peak_flops() -> tuple[float | None, str]:
     return per_device * jax.device_count(), f"{jax.device_count()} x {device.device_kind} at {per_device / 1e12:.0f} TFLOP/s"
 
 
-def flops_check(compiled, m, seq_len: int, tokens_per_step: int) -> str:
-    """The formula against XLA's count for the compiled step, as a line of text.
+def flops_check(compiled, cfg, flops_per_token) -> str:
+    """The formula `flops_per_token(model config, seq_len)` against XLA's count for the compiled
+    step of the run's config `cfg`, as a line of text.
 
     XLA's cost_analysis() counts the body of a while loop once, not once per iteration. Seen on
     jax 0.10.2 for local_test_synthetic on one device: XLA says 30.8, 30.9 and 31.0 GFLOP per
@@ -129,8 +115,9 @@ def flops_check(compiled, m, seq_len: int, tokens_per_step: int) -> str:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     xla = float(cost.get("flops", 0.0)) * jax.device_count() if cost else 0.0
-    formula = model_flops_per_token(m, seq_len) * tokens_per_step
-    one_layer = model_flops_per_token(dataclasses.replace(m, layers=1), seq_len) * tokens_per_step
+    seq_len, tokens_per_step = cfg.training.tokens.len, cfg.training.tokens.batch * cfg.training.tokens.len
+    formula = flops_per_token(cfg.model, seq_len) * tokens_per_step
+    one_layer = flops_per_token(dataclasses.replace(cfg.model, layers=1), seq_len) * tokens_per_step
     if not xla:
         return f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP; XLA gives no cost analysis on this backend"
     return (f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); XLA cost_analysis "
@@ -177,6 +164,30 @@ def saved_residuals(f, *args) -> list[str]:
 
 
 _RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
+
+
+def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDtypeStruct]:
+    """For the memory report, per device: what one transformer layer keeps for its backward pass
+    (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
+    float32 logits (B/d L V/t). `layer(x, w, doc_start, position)` is the layer as the step's
+    scan runs it; `state` gives the stacked layer weights (arrays or ShapeDtypeStructs)."""
+    B, L, M, d, t = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t
+    lines = []
+
+    def one_layer(w):  # the stacked weights without their leading `layers` axis
+        return jax.ShapeDtypeStruct(w.shape[1:], w.dtype, sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
+
+    w = jax.tree.map(one_layer, state.weights.layers)
+    args = (jax.ShapeDtypeStruct((B, L, M), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("d"))), w,
+            *(jax.ShapeDtypeStruct((B, L), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec("d"))) for _ in range(2)))
+
+    def probe(*args):  # inside shard_map, so that the shapes are per device
+        lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))
+        return jnp.zeros(())
+
+    specs = jax.tree.map(lambda a: a.sharding.spec, args)
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
+    return lines, jax.ShapeDtypeStruct((B // d, L, cfg.model.vocab // t), jnp.float32)
 
 
 def residual_size(line: str) -> tuple[str, int]:
@@ -297,17 +308,23 @@ DOT_WAIT_SECONDS = 30  # how long the end of a run waits for graphviz, which sta
 
 
 class RunLog:
-    """Everything a run prints and writes besides checkpoints. `h` is the run's train.Config;
-    the run starts (or resumes) at step `start`; the profiler traces `profiled_steps` steps
-    after it. Only process 0 prints and writes."""
+    """Everything a run prints and writes besides checkpoints. `cfg` is the run's config.Config;
+    the run starts (or resumes) at step `start`; `flops_per_token(model config, seq_len)` counts
+    the model's FLOPs (train.model_flops_per_token); the profiler traces `profiled_steps` steps
+    after the first. Only process 0 prints and writes.
 
-    def __init__(self, run_dir: str, resolved_yaml: str, h, start: int, profiled_steps: int = 2):
-        self.run_dir, self.h = run_dir, h
+    A step's line is written when the next step has been dispatched (after_step), so that reading
+    its scalars never stalls the device; flush() writes the step still held back (before a
+    checkpoint commits), and eval() and close() flush first, so lines stay in step order."""
+
+    def __init__(self, run_dir: str, resolved_yaml: str, cfg, start: int, flops_per_token, profiled_steps: int = 2):
+        self.run_dir, self.cfg, self.flops_per_token = run_dir, cfg, flops_per_token
         self.writes = jax.process_index() == 0
-        self.tokens_per_step = h.training.tokens.batch * h.training.tokens.len
-        self.flops_per_token = model_flops_per_token(h.model, h.training.tokens.len)
+        self.tokens_per_step = cfg.training.tokens.batch * cfg.training.tokens.len
+        self.model_flops_per_token = flops_per_token(cfg.model, cfg.training.tokens.len)
+        self.held_back = None  # (step, metrics) of the last dispatched step, not yet written
         # The first step after the first one of this process, so that nothing waits for a compile.
-        self.profiled = range(start + 1, min(start + 1 + profiled_steps, h.training.steps)) if self.writes else range(0)
+        self.profiled = range(start + 1, min(start + 1 + profiled_steps, cfg.training.steps)) if self.writes else range(0)
         self.recent_step_times = collections.deque(maxlen=20)
         # A step's time runs from when it can start (its dispatch, or the end of the step before
         # if that is later) to when it ends (its scalars are read, or the profiler waited for it),
@@ -347,7 +364,7 @@ class RunLog:
         started = time.perf_counter()
         compiled = lower_and_compile()
         self.print(f"compiled the training step in {time.perf_counter() - started:.1f} s")
-        self.print(flops_check(compiled, self.h.model, self.h.training.tokens.len, self.tokens_per_step))
+        self.print(flops_check(compiled, self.cfg, self.flops_per_token))
         if self.writes:
             self._write_hlo(compiled.as_text())
         return compiled
@@ -368,13 +385,14 @@ class RunLog:
         # Rendered in the background; close() waits for it.
         self.dot_process = subprocess.Popen(["dot", "-Tsvg", path("dot"), "-o", path("svg")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    def memory_report(self, compiled, state, layer_residuals: list[str], logits):
-        """Prints the memory report and writes memory_report.txt (see memory_report())."""
+    def memory_report(self, compiled, state, mesh, layer):
+        """Prints the memory report and writes memory_report.txt (see memory_report() and
+        memory_annotations() for `layer`)."""
         if not self.writes:
             return
-        d, t = self.h.mesh.d, self.h.mesh.t
+        d, t = self.cfg.mesh.d, self.cfg.mesh.t
         title = f"mesh d={d} t={t}, {jax.device_count()} x {jax.devices()[0].device_kind}"
-        text, _, _ = memory_report(compiled, state, self.h.model.layers, layer_residuals, logits, title)
+        text, _, _ = memory_report(compiled, state, self.cfg.model.layers, *memory_annotations(self.cfg, mesh, state, layer), title)
         self.print(text.rstrip())
         self.write("memory_report.txt", text)
 
@@ -390,7 +408,10 @@ class RunLog:
         self.dispatched[step] = time.perf_counter()
 
     def after_step(self, step: int, metrics):
-        """Call after dispatching `step`: stops the trace once the last profiled step is done."""
+        """Call after dispatching `step`: writes the line of the step before, holds this one
+        back, and stops the trace once the last profiled step is done."""
+        self.flush()
+        self.held_back = (step, metrics)
         if self.profiled and step == self.profiled[-1]:
             jax.block_until_ready(metrics)
             self.finished[step] = time.perf_counter()
@@ -400,7 +421,13 @@ class RunLog:
                        "(perfetto_trace.json.gz opens in https://ui.perfetto.dev)")
             self.profiled = range(0)
 
-    def step(self, step: int, metrics):
+    def flush(self):
+        """Writes the line of the step held back, if any."""
+        if self.held_back is not None:
+            self.write_step(*self.held_back)
+            self.held_back = None
+
+    def write_step(self, step: int, metrics):
         """Reads the step's scalars (waiting for that step only) and writes its line."""
         values = {k: float(v) for k, v in jax.device_get(vars(metrics)).items()}
         end = self.finished.pop(step, time.perf_counter())
@@ -410,29 +437,31 @@ class RunLog:
             return
         self.recent_step_times.append(step_time)
         tokens_per_second = self.tokens_per_step / step_time
-        mfu = self.flops_per_token * tokens_per_second / self.peak if self.peak else None
+        mfu = self.model_flops_per_token * tokens_per_second / self.peak if self.peak else None
         line = {"step": step, **values, "step_time": step_time, "tokens_per_second": tokens_per_second, "mfu": mfu}
         self.metrics_file.write(json.dumps(line) + "\n")
         self.metrics_file.flush()
         for key, value in line.items():
             if key != "step" and value is not None:
                 self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
-        eta = _duration(float(np.mean(self.recent_step_times)) * (self.h.training.steps - step - 1))
-        print(f"step {step:6d}/{self.h.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
+        eta = _duration(float(np.mean(self.recent_step_times)) * (self.cfg.training.steps - step - 1))
+        print(f"step {step:6d}/{self.cfg.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
               f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
 
     def eval(self, step: int, eval_loss: float):
         """The line {"step": step, "eval_loss": ...}: the validation loss of the weights after
         `step` steps (those of checkpoint `step`), in metrics.jsonl, TensorBoard and stdout."""
+        self.flush()
         if not self.writes:
             return
         self.metrics_file.write(json.dumps({"step": step, "eval_loss": eval_loss}) + "\n")
         self.metrics_file.flush()
         self.tensorboard.add_scalar("eval_loss", eval_loss, step)
-        self.print(f"eval {step:6d}/{self.h.training.steps}  eval_loss {eval_loss:.4f}")
+        self.print(f"eval {step:6d}/{self.cfg.training.steps}  eval_loss {eval_loss:.4f}")
 
     def close(self):
+        self.flush()
         if self.tracing:  # the run stopped inside the profiled steps
             jax.profiler.stop_trace()
         if not self.writes:

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.attention [--batch 4 --heads 8 --kv-heads 2 --d-head 64]
         [--lengths 512 1024 2048] [--blocks 128 256 512] [--repeats 5]
 
-Runs sample.dense_attention (the L x S scores materialized) and train.blockwise_attention (block
+Runs attention.dense_attention (the L x S scores materialized) and attention.blockwise_attention (block
 pairs, causal half only, online softmax, custom backward) on one device with random bfloat16
 inputs and a few documents per row, and prints one row per (length, method): median time of
 value-and-gradient, the speed-up over dense, and the compiled program's temporary bytes.
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import sample
+import attention
 import train
 
 
@@ -34,7 +34,7 @@ def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
 def dense(q, k, v, doc_start):
     L = q.shape[1]
     mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
-    return sample.dense_attention(q, k, v, mask)
+    return attention.dense_attention(q, k, v, mask)
 
 
 def value_and_grad(attend):
@@ -80,7 +80,7 @@ def main(argv=None):
         for block in args.blocks:
             if L % block or block > L:
                 continue
-            blockwise = value_and_grad(lambda q, k, v, doc_start, block=block: train.blockwise_attention(q, k, v, doc_start, block))
+            blockwise = value_and_grad(lambda q, k, v, doc_start, block=block: attention.blockwise_attention(q, k, v, doc_start, block))
             seconds, temp = measure(blockwise, inputs, args.repeats)
             print(f"{L:>6} {f'blockwise {block}':>16} {seconds * 1e3:>11.1f} {dense_time / seconds:>8.2f}x {temp / 2**20:>9.1f}", flush=True)
 

@@ -20,10 +20,11 @@ import numpy as np
 
 import config
 import train
-from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint import Checkpointer
+from config import CheckpointConfig
 
 
-def step_times(h: train.Config, mesh, steps: int, directory: str | None, cfg: CheckpointConfig) -> tuple[list[float], list[float]]:
+def step_times(h: config.Config, mesh, steps: int, directory: str | None, cfg: CheckpointConfig) -> tuple[list[float], list[float]]:
     """Wall time of each loop iteration after the first three, and of each save() call."""
     rng = np.random.default_rng(0)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from checkpoint import CheckpointConfig, Checkpointer
+from checkpoint import Checkpointer
+from config import CheckpointConfig
 
 THREADS = 8
 

@@ -24,7 +24,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from data_loader import DatasetConfig, make_loader  # noqa: E402
+from config import DatasetConfig  # noqa: E402
+from data_loader import make_loader  # noqa: E402
 from flat_tokens import open_flat_tokens  # noqa: E402
 from tools import prepare_dataset  # noqa: E402
 

@@ -29,7 +29,7 @@ def progress(text: str):
     print(text, flush=True)
 
 
-def random_batch(h: train.Config, mesh):
+def random_batch(h: config.Config, mesh):
     """Random tokens, one document per row, sharded like the loader's batches. One document:
     blockwise attention then computes every block pair on or below the diagonal, exactly the
     work the MFU formula counts (rows of short documents let it skip pairs: faster, but not
@@ -43,7 +43,7 @@ def random_batch(h: train.Config, mesh):
     return targets, starts, mask
 
 
-def time_steps(h: train.Config, steps: int, warmup: int):
+def time_steps(h: config.Config, steps: int, warmup: int):
     """Compiles the training step ahead of time, then times warmup + steps steps.
     Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
     mesh = train.make_mesh(h.mesh.d, h.mesh.t)
@@ -88,7 +88,7 @@ def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
     row.tokens_per_second = row.tokens_per_step / row.step_time_median_s
     row.peak_memory_bytes, row.peak_memory_source = peak_memory(compiled)
     peak, peak_source = training_io.peak_flops()  # on CPU a measurement: after the steps, so that it does not slow them
-    row.mfu = training_io.model_flops_per_token(h.model, h.training.tokens.len) * row.tokens_per_second / peak if peak else None
+    row.mfu = train.model_flops_per_token(h.model, h.training.tokens.len) * row.tokens_per_second / peak if peak else None
     row.note = f"MFU of {peak / 1e12:.3g} TFLOP/s: {peak_source}" if peak else f"no peak FLOP/s known: {peak_source}"
     return row
 

@@ -17,6 +17,7 @@ Two figures per device, both in GiB:
 
 import argparse
 import math
+from functools import partial
 
 import jax
 
@@ -28,7 +29,7 @@ from shardlib.shardtypes import make_shardings
 GiB = 2**30
 
 
-def abstract_state(h: train.Config, mesh) -> train.State:
+def abstract_state(h: config.Config, mesh) -> train.State:
     """The training state as ShapeDtypeStructs with their shardings on `mesh`."""
     state = jax.eval_shape(lambda: train.init_state(h, mesh))
     return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, make_shardings(train.State, mesh))
@@ -38,7 +39,7 @@ def parameter_count(state: train.State) -> int:
     return sum(math.prod(w.shape) for w in jax.tree.leaves(state.weights))
 
 
-def config_mesh(h: train.Config):
+def config_mesh(h: config.Config):
     """The config's (d, t) mesh on the first d*t devices of this machine."""
     needed = h.mesh.d * h.mesh.t
     if needed > jax.device_count():
@@ -47,12 +48,12 @@ def config_mesh(h: train.Config):
     return train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:needed])
 
 
-def accelerator_estimate(h: train.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
+def accelerator_estimate(h: config.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
     """training_io's memory estimate per device of a GPU or TPU (its terms), from shapes alone
     (no compilation), with the abstract state, layer residuals and logits it came from."""
     with jax.set_mesh(mesh):
         state = abstract_state(h, mesh)
-        residuals, logits = train.memory_annotations(h, mesh)
+        residuals, logits = training_io.memory_annotations(h, mesh, state, partial(train.training_layer, h.model))
     terms, _ = training_io.memory_estimate(state, h.model.layers, residuals, logits, xla_cpu=False)
     return terms, state, residuals, logits
 

@@ -14,7 +14,7 @@ and compile included); --budget limits them all together, in order: a config tha
 left for is a "not run" row. The table is printed last, on stdout, as Markdown; progress goes to
 stderr. The exit status is 0 whenever the table is printed: the rows carry each outcome.
 
-MFU is model FLOPs/s (training_io.model_flops_per_token) over the peak bf16 rate of the devices
+MFU is model FLOPs/s (train.model_flops_per_token) over the peak bf16 rate of the devices
 (training_io.peak_flops: a table of accelerators; on CPU the measured bf16->f32 matmul rate of
 the whole machine). Peak memory per device is measured where the backend counts it (GPU, TPU:
 the largest `peak_bytes_in_use` of device.memory_stats(), "measured") and otherwise (CPU) is

@@ -9,6 +9,7 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
     psum('B/d L M', x, 't')                       sum partials over t, keep all of M
     einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)
     index_unreduced('V/t M, B/d L -> B/d L M', table, ids)
+    take_unreduced('B/d L V/t, B/d L -> B/d L', logits, targets)
 """
 
 import jax.numpy as jnp
@@ -163,15 +164,40 @@ def index_unreduced(spec: str, table, indices):
         raise SpecError(f"{op}: spec {spec!r} must produce the index dims then the table's other dims: {dims_str(expected)}")
     _check_ndim(op, spec, table_dims, table, "table")
     _check_ndim(op, spec, index_dims, indices, "indices")
-    axes = table_dims[0].axes
-    rows = table.shape[0]
-    if not axes:
+    if not table_dims[0].axes:
         return table[indices]
-    offset = lax.axis_index(axes if len(axes) > 1 else axes[0]) * rows
+    local, inside = _local_indices(table_dims[0].axes, table.shape[0], indices)
+    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), table[local], jnp.zeros((), table.dtype))
+
+
+def take_unreduced(spec: str, values, indices):
+    """values[..., indices[...]]: for every entry of `indices`, the entry it names in the last
+    dimension of `values`, whose other dimensions are the indices' own ('B/d L V/t, B/d L -> B/d L'
+    picks each position's target logit). When that last dimension is sharded, each device
+    answers only for its own entries and gives zeros elsewhere: the sum over the sharding axes
+    (the caller's psum) is the full lookup."""
+    op = "take_unreduced"
+    inputs, output = _parse(spec, op)
+    if len(inputs) != 2:
+        raise SpecError(f"{op}: spec {spec!r} needs two operands: values, indices")
+    value_dims, index_dims = inputs
+    if [str(d) for d in value_dims[:-1]] != [str(d) for d in index_dims] or [str(d) for d in output] != [str(d) for d in index_dims]:
+        raise SpecError(f"{op}: spec {spec!r} must read 'DIMS X, DIMS -> DIMS': the values' dims but the last are the indices' dims and the output's")
+    _check_ndim(op, spec, value_dims, values, "values")
+    _check_ndim(op, spec, index_dims, indices, "indices")
+    axes = value_dims[-1].axes
+    if not axes:
+        return jnp.take_along_axis(values, indices.astype(jnp.int32)[..., None], axis=-1)[..., 0]
+    local, inside = _local_indices(axes, values.shape[-1], indices)
+    return jnp.where(inside, jnp.take_along_axis(values, local[..., None], axis=-1)[..., 0], jnp.zeros((), values.dtype))
+
+
+def _local_indices(axes: tuple[str, ...], size: int, indices):
+    """Indices into a dimension split over mesh `axes` into pieces of `size`, made local to
+    this device's piece (clipped into it), and whether each one falls in it."""
+    offset = lax.axis_index(axes if len(axes) > 1 else axes[0]) * size
     local = indices.astype(jnp.int32) - offset.astype(jnp.int32)
-    inside = (local >= 0) & (local < rows)
-    found = table[jnp.clip(local, 0, rows - 1)]
-    return jnp.where(inside.reshape(inside.shape + (1,) * (table.ndim - 1)), found, jnp.zeros((), table.dtype))
+    return jnp.clip(local, 0, size - 1), (local >= 0) & (local < size)
 
 
 def axis_size(axes: str | tuple[str, ...]) -> int:

@@ -21,7 +21,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from checkpoint import CheckpointConfig, Checkpointer  # noqa: E402
+from checkpoint import Checkpointer
+from config import CheckpointConfig  # noqa: E402
 
 
 def sample_values() -> dict:

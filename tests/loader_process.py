@@ -17,7 +17,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from data_loader import DatasetConfig, make_loader  # noqa: E402
+from config import DatasetConfig
+from data_loader import make_loader  # noqa: E402
 from flat_tokens import open_flat_tokens  # noqa: E402
 
 

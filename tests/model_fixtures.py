@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 
+import config
 import train
 from config import load_config
 
@@ -15,7 +16,7 @@ TINY = [
 ]
 
 
-def tiny_config(*overrides: str) -> train.Config:
+def tiny_config(*overrides: str) -> config.Config:
     return load_config("local_test_synthetic", TINY + list(overrides))
 
 

@@ -1,13 +1,13 @@
-"""Blockwise attention (train.blockwise_attention) against dense attention with the same mask."""
+"""Blockwise attention (attention.blockwise_attention) against dense attention with the same mask."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import sample
+import attention
 import train
-from jax_extra import ConfigError
+from config import ConfigError
 from model_fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import f32, typed_shard_map, u32
 
@@ -33,7 +33,7 @@ def inputs(seed: int, dtype, common_starts=()):
 
 def dense(q, k, v, doc_start):
     mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
-    return sample.dense_attention(q, k, v, mask)
+    return attention.dense_attention(q, k, v, mask)
 
 
 def output_and_gradients(attend, q, k, v, doc_start, cotangent):
@@ -54,7 +54,7 @@ def test_blockwise_equals_dense_in_float32(block, common_starts):
     and 40 in every row, query blocks 3-4 skip key blocks 0-2 and blocks 5-7 skip blocks 0-4."""
     q, k, v, doc_start = inputs(block, jnp.float32, common_starts)
     cotangent = jnp.asarray(np.random.default_rng(99).normal(size=(B, L, Q, K, D)))
-    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, block), *a))(q, k, v, doc_start, cotangent)
+    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: attention.blockwise_attention(q, k, v, d, block), *a))(q, k, v, doc_start, cotangent)
     reference = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
     for name, x, y in zip(["output", "dq", "dk", "dv"], blockwise, reference):
         assert x.dtype == jnp.float32
@@ -68,7 +68,7 @@ def test_key_blocks_before_every_documents_start_are_skipped():
     starts[:, [0, 24, 40]] = True
     starts[1, 50] = True
     doc_start = jnp.asarray(np.maximum.accumulate(np.where(starts, np.arange(L), 0), axis=1), jnp.uint32)
-    visits = train.key_blocks_to_visit(train.to_blocks(doc_start, 8), 8)
+    visits = attention.key_blocks_to_visit(attention.to_blocks(doc_start, 8), 8)
     np.testing.assert_array_equal(np.asarray(visits), [1, 2, 3, 1, 2, 1, 2, 3])
 
 
@@ -78,7 +78,7 @@ def test_blockwise_in_bfloat16_is_as_close_to_exact_as_dense():
     q, k, v, doc_start = inputs(3, jnp.bfloat16)
     cotangent = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, Q, K, D)))
     exact = jax.jit(lambda *a: output_and_gradients(dense, *a))(*(x.astype(jnp.float32) for x in (q, k, v)), doc_start, cotangent)
-    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, 16), *a))(q, k, v, doc_start, cotangent)
+    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: attention.blockwise_attention(q, k, v, d, 16), *a))(q, k, v, doc_start, cotangent)
     dense_bf16 = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
     for name, x, y, e in zip(["output", "dq", "dk", "dv"], blockwise, dense_bf16, exact):
         assert x.dtype == jnp.bfloat16
@@ -93,7 +93,7 @@ def test_documents_do_not_see_each_other():
     k2 = jnp.where(other[:, :, None, None], k, k + 3.0)
     v2 = jnp.where(other[:, :, None, None], v, -v)
     cotangent = jnp.ones((B, L, Q, K, D))
-    run = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: train.blockwise_attention(q, k, v, d, 8), *a))
+    run = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: attention.blockwise_attention(q, k, v, d, 8), *a))
     before, after = run(q, k, v, doc_start, cotangent), run(q, k2, v2, doc_start, cotangent)
     for name, x, y in zip(["output", "dq", "dk", "dv"], before, after):
         np.testing.assert_array_equal(np.asarray(x)[other], np.asarray(y)[other], err_msg=name)
@@ -108,14 +108,14 @@ def test_blockwise_on_a_mesh_equals_unsharded():
     @jax.jit
     @typed_shard_map
     def sharded(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], doc_start: u32[b"B/d L"]) -> f32[b"B/d L Q K/t D"]:
-        o, pullback = jax.vjp(lambda q: train.blockwise_attention(q, k, v, doc_start, 16), q)
+        o, pullback = jax.vjp(lambda q: attention.blockwise_attention(q, k, v, doc_start, 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     with jax.set_mesh(make_mesh(4, 2)):
         on_mesh = sharded(q, k, v, doc_start)
 
     def unsharded(q):
-        o, pullback = jax.vjp(lambda q: train.blockwise_attention(q, k, v, doc_start, 16), q)
+        o, pullback = jax.vjp(lambda q: attention.blockwise_attention(q, k, v, doc_start, 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     np.testing.assert_allclose(np.asarray(on_mesh), np.asarray(jax.jit(unsharded)(q)), rtol=1e-5, atol=1e-5)
@@ -127,5 +127,5 @@ def test_forward_refuses_a_length_that_is_not_whole_blocks():
     h = tiny_config()
     weights = jax.eval_shape(lambda: train.init_weights(h.model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.uint32)
-    with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide the sequence length 12"):
+    with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide training.tokens.len=12"):
         jax.eval_shape(lambda w, t: train.forward(h.model, w, t, jnp.zeros(t.shape, bool)), weights, tokens)

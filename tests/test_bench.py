@@ -144,7 +144,7 @@ def test_throughput_rejects_an_override_among_config_names():
     assert result.returncode == 2 and "put hydra overrides after --" in result.stderr
 
 
-def independent_parameter_count(m: train.ModelConfig) -> int:
+def independent_parameter_count(m: config.ModelConfig) -> int:
     """Embedding, unembedding and final norm, then per layer two norms, q and o (M x heads x D),
     k and v (M x kv heads x D) and SwiGLU's three M x F matrices."""
     heads = m.n_q_per_kv * m.n_kv

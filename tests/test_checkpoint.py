@@ -22,10 +22,10 @@ from checkpoint_process import is_spec_pair, put, sample_values
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import checkpoint
 import sharded_zarr
 import train
-from checkpoint import CheckpointConfig, Checkpointer, CheckpointError
+from checkpoint import Checkpointer
+from config import CheckpointConfig, CheckpointError, ConfigError
 from model_fixtures import TINY, make_mesh, random_batch, tiny_config
 from shardlib.shardtypes import make_shardings
 from tools.write_synthetic_dataset import main as write_synthetic_dataset
@@ -33,7 +33,7 @@ from tools.write_synthetic_dataset import main as write_synthetic_dataset
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def config(**changes) -> CheckpointConfig:
+def checkpoint_config(**changes) -> CheckpointConfig:
     return CheckpointConfig(**{"keep": 0, "compression": "none", "level": 3, "threads": 4, **changes})
 
 
@@ -53,7 +53,7 @@ def value_bytes(values: dict) -> list[bytes]:
 
 def saved(directory, values, steps=(1,), **changes) -> Checkpointer:
     """A checkpointer that has committed `values` (on a 4x2 mesh) at each of `steps`."""
-    checkpointer = Checkpointer(str(directory), config(**changes))
+    checkpointer = Checkpointer(str(directory), checkpoint_config(**changes))
     tree = put(values, make_mesh(4, 2))
     for step in steps:
         checkpointer.save(step, tree)
@@ -107,7 +107,7 @@ def test_restore_on_other_meshes_continues_training(tmp_path):
 
     mesh = make_mesh(4, 2)
     state = random_state(h, mesh)
-    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(7, state)
     checkpointer.wait()
     expected_bytes, expected_loss = host_bytes(state), next_loss(state, mesh)
@@ -136,7 +136,7 @@ def test_two_processes_save_and_restore(tmp_path):
     outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     values = sample_values()
-    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     for d, t in [(8, 1), (1, 1)]:
         step, tree = checkpointer.restore(*targets_on(values, make_mesh(d, t)))
         assert step == 3 and host_bytes(tree) == value_bytes(values)
@@ -242,8 +242,8 @@ def test_keeps_the_newest_complete_checkpoints(tmp_path):
 
 
 def test_bad_config_is_refused():
-    with pytest.raises(checkpoint.ConfigError, match="compression='lz4'"):
-        Checkpointer("unused", config(compression="lz4"))
+    with pytest.raises(ConfigError, match="compression='lz4'"):
+        Checkpointer("unused", checkpoint_config(compression="lz4"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
     monkeypatch.setattr(sharded_zarr, "_write_at", lambda *args, **kw: (release.wait(30), write(*args, **kw)))
     values = sample_values()
     tree = put(values, make_mesh(4, 2))
-    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(5, tree)
     assert checkpointer.latest_step() is None  # the files are still being written
     jax.jit(lambda t: jax.tree.map(lambda x: x * 0, t), donate_argnums=0)(tree)  # as the next step would
@@ -271,7 +271,7 @@ def test_failed_background_write_stops_training(tmp_path, monkeypatch):
         raise OSError("no space left on device")
 
     monkeypatch.setattr(sharded_zarr, "_write_at", fail)
-    checkpointer = Checkpointer(str(tmp_path), config())
+    checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
     with pytest.raises(RuntimeError, match="no space left on device"):
         for _ in range(1000):  # the loop calls check() every step

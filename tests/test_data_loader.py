@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import zarr
 
-from data_loader import DatasetConfig, RowOrder, derive_key, feistel_permute, make_loader
-from flat_tokens import DatasetError, open_flat_tokens, write_flat_tokens
+from config import DatasetConfig, DatasetError
+from data_loader import RowOrder, derive_key, feistel_permute, make_loader
+from flat_tokens import open_flat_tokens, write_flat_tokens
 
 B, L = 8, 16
 GOLDEN = 0x9E3779B97F4A7C15

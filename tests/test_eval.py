@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+import config
 import train
 from data_loader import make_loader
 from flat_tokens import open_flat_tokens
@@ -32,7 +33,7 @@ def dataset(tmp_path_factory) -> str:
     return path
 
 
-def config(dataset: str, root, d: int, t: int) -> train.Config:
+def config(dataset: str, root, d: int, t: int) -> config.Config:
     return tiny_config(
         "model.n_kv=2", f"dataset.path={dataset}", "dataset.streams=1", f"paths.root_working_dir={root}", "paths.model_name=eval",
         "training.steps=6", "checkpoint_interval=2", "checkpoints.keep=0", "eval_interval=4", "eval_batches=2", f"mesh.d={d}", f"mesh.t={t}",

@@ -17,8 +17,8 @@ import train
 from checkpoint import Checkpointer
 from model_fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from tokenizer import dataset_tokenizer
 from tools import export_hf
-from tools.tokenizer import dataset_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
+import attention
 import jax_extra
 import train
-from jax_extra import ConfigError, config_from_dict, explicit_activation_checkpointing, fold_in_str, save_for_backward
+from config import ConfigError, config_from_dict
+from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from model_fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
@@ -49,6 +51,7 @@ def test_transformer_layer_saves_exactly_its_marked_values(monkeypatch):
         return save_for_backward(x)
 
     monkeypatch.setattr(train, "save_for_backward", recording_save)
+    monkeypatch.setattr(attention, "save_for_backward", recording_save)
     mesh = make_mesh(4, 2)
     B, L, M = h.training.tokens.batch, h.training.tokens.len, h.model.d_model
     layer = jax.tree.map(lambda w: w[0], train.init_weights(h.model, jax.random.key(0)).layers)
@@ -56,7 +59,7 @@ def test_transformer_layer_saves_exactly_its_marked_values(monkeypatch):
 
     @typed_shard_map
     def probe(x: f32[b"B/d L M"], w: train.Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b""]:
-        body = explicit_activation_checkpointing(lambda x, w: train.transformer_layer(h.model, x, w, doc_start, position))
+        body = explicit_activation_checkpointing(lambda x, w: train.training_layer(h.model, x, w, doc_start, position))
         lines.extend(saved_residuals(body, x, w))
         return jnp.zeros(())
 

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from jax_extra import ConfigError
+from config import ConfigError, DistributedConfig
 from model_fixtures import TINY
-from multihost import DistributedConfig, resolve
+from multihost import resolve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TINY with 2 kv heads (so that t=2 splits them) and a warmup longer than every run here, so the

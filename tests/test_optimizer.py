@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import config
 import train
 from model_fixtures import tiny_config
 
 
 @pytest.fixture(scope="module")
-def h() -> train.TrainingConfig:
+def h() -> config.TrainingConfig:
     # peak 1e-2, 4 warmup steps, 20 steps, cosine to 10%, b1 0.9, b2 0.95, eps 1e-8, clip 1.0
     return tiny_config("training.weight_decay=0.1").training
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from flat_tokens import FlatTokensWriter, open_flat_tokens
+from tokenizer import dataset_tokenizer
 from tools import prepare_dataset
-from tools.tokenizer import dataset_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIECES = ["héllo wörld", "naïve café", "日本語のテキスト", "def f(x):\n    return x * 2", "plain ascii"]

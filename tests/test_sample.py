@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+import config
+import runs
 import sample
 import train
 from model_fixtures import load_config, make_mesh, tiny_config
@@ -29,7 +31,7 @@ def model():
     return h.model, jax.device_get(train.init_weights(h.model, jax.random.key(0)))
 
 
-def greedy_without_cache(h: train.ModelConfig, weights, mesh, prompt: list[int], steps: int) -> list[int]:
+def greedy_without_cache(h: config.ModelConfig, weights, mesh, prompt: list[int], steps: int) -> list[int]:
     """Greedy decoding by a full forward pass (train.forward, the training model) over the whole
     sequence for every new token. The sequence is padded to whole attention blocks: causal
     attention keeps the padding from changing the logits of the positions before it."""
@@ -125,6 +127,6 @@ def test_a_run_trained_before_attention_blocks_still_loads(text_run, tmp_path):
     config = OmegaConf.load(os.path.join(text_run, "config.yaml"))
     del config.model["attention_block"]
     OmegaConf.save(config, old / "config.yaml")
-    h = sample.load_config(str(old))
+    h = runs.load_run_config(str(old))
     assert h.model.attention_block == h.seq_len
     sample.main(["--run-dir", str(old), "--prompt", "a", "--max-new-tokens", "3", "--seed", "0"])

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import types
 import xml.etree.ElementTree as ElementTree
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 from jax import lax
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import config
 import hlo_graph
 import train
 import training_io
@@ -29,14 +31,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_flops_formula_equals_a_hand_count():
-    m = train.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=2, d_head=4, d_ff=16, layers=3, vocab=32, rope_base=1e4, norm_eps=1e-5, attention_block=8)
+    m = config.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=2, d_head=4, d_ff=16, layers=3, vocab=32, rope_base=1e4, norm_eps=1e-5, attention_block=8)
     # Per token, forward, 2 FLOPs per multiply-add: q 8x16, k 8x8, v 8x8, out 16x8; each of the
     # 4 query heads against the causal half of the 8 keys (4 keys, d_head 4) for QK^T and PV;
     # gate 8x16, up 8x16, down 16x8; the unembedding 8x32 once.
     per_layer = 2 * (8 * 16 + 8 * 8 + 8 * 8 + 16 * 8) + 2 * 2 * (4 * 4 * 4) + 2 * (8 * 16 + 8 * 16 + 16 * 8)
     forward = 3 * per_layer + 2 * 8 * 32
     assert per_layer == 1792 and forward == 5888
-    assert training_io.model_flops_per_token(m, seq_len=8) == 3 * forward
+    assert train.model_flops_per_token(m, seq_len=8) == 3 * forward
 
 
 def abstract_state(h, mesh):
@@ -57,7 +59,7 @@ def test_formula_agrees_with_xla_cost_analysis_for_one_layer():
         compiled = train.compile_training_step(h, abstract_state(h, mesh), mesh)
     cost = compiled.cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"] * jax.device_count()
-    formula = training_io.model_flops_per_token(h.model, h.training.tokens.len) * h.training.tokens.batch * h.training.tokens.len
+    formula = train.model_flops_per_token(h.model, h.training.tokens.len) * h.training.tokens.batch * h.training.tokens.len
     assert 1.0 <= xla / formula <= 1.10, (xla, formula)
 
 
@@ -74,16 +76,16 @@ def test_peak_table(kind, peak):
 def fake_config(steps: int):
     return types.SimpleNamespace(
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
-        model=train.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5, attention_block=8),
+        model=config.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5, attention_block=8),
         mesh=types.SimpleNamespace(d=1, t=1),
     )
 
 
 def log_steps(run_dir, start: int, losses: dict[int, float], steps: int = 6):
-    log = training_io.RunLog(str(run_dir), "x: 1\n", fake_config(steps), start=start, profiled_steps=0)
+    log = training_io.RunLog(str(run_dir), "x: 1\n", fake_config(steps), start, train.model_flops_per_token, profiled_steps=0)
     for step, loss in losses.items():
         log.before_step(step, None)
-        log.step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5)))
+        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5)))
     log.close()
 
 
@@ -130,21 +132,26 @@ def test_memory_report_follows_save_for_backward(monkeypatch):
     mesh = make_mesh(4, 2)
     state = abstract_state(h, mesh)
     with jax.set_mesh(mesh):
-        before = training_io.memory_estimate(state, h.model.layers, *train.memory_annotations(h, mesh))
+        layer = partial(train.training_layer, h.model)
+        before = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, layer))
         sigmoid = jax.nn.sigmoid
         monkeypatch.setattr(jax.nn, "sigmoid", lambda x: save_for_backward(sigmoid(x)))
-        after = training_io.memory_estimate(state, h.model.layers, *train.memory_annotations(h, mesh))
+        after = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, layer))
     saved = lambda terms: next(size for name, size in terms[0] if name.startswith("saved for backward"))  # noqa: E731
     B, L, F = h.training.tokens.batch // 4, h.training.tokens.len, h.model.d_ff // 2
     assert saved(after) - saved(before) == B * L * F * 2 * h.model.layers
     assert len(after[1]) == len(before[1]) + 1
 
 
-def loop_hlo() -> str:
+def compiled_loop():
     def f(w, x):
         return lax.fori_loop(0, 3, lambda i, x: jnp.tanh(x @ w), x)
 
-    return jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((4, 8))).compile().as_text()
+    return jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((4, 8))).compile()
+
+
+def loop_hlo() -> str:
+    return compiled_loop().as_text()
 
 
 def test_hlo_graph_has_the_loop_body_and_its_matmul():
@@ -159,8 +166,8 @@ def test_hlo_graph_has_the_loop_body_and_its_matmul():
 def test_missing_graphviz_is_a_warning(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(training_io, "peak_flops", lambda: (1e12, "test"))
     monkeypatch.setattr(training_io.shutil, "which", lambda name: None)
-    log = training_io.RunLog(str(tmp_path), "x: 1\n", fake_config(1), start=0)
-    log._write_hlo(loop_hlo())
+    log = training_io.RunLog(str(tmp_path), "x: 1\n", fake_config(1), 0, train.model_flops_per_token)
+    log.compile(compiled_loop)
     log.close()
     assert "graphviz" in capsys.readouterr().err
     assert (tmp_path / "training_step.dot").exists() and not (tmp_path / "training_step.svg").exists()

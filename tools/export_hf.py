@@ -26,9 +26,8 @@ import jax
 import numpy as np
 import zarr
 
-import sample
-from flat_tokens import DatasetError
-from jax_extra import ConfigError
+from config import DatasetError, SeqaxError, TokenizerError
+from runs import load_run_config, load_weights, run_mesh
 
 BOS_TOKEN = "<seqax_bos>"
 
@@ -78,7 +77,7 @@ def shifted_tokenizer_json(text: str) -> dict:
         if model.get("unk_id") is not None:
             model["unk_id"] += 1
     else:
-        raise ValueError(f"tokenizer model type {model.get('type')!r} has no vocabulary to shift")
+        raise TokenizerError(f"tokenizer model type {model.get('type')!r} has no vocabulary to shift")
     added = [{**t, "id": t["id"] + 1} for t in tok.get("added_tokens") or []]
     tok["added_tokens"] = [{"id": 0, "content": BOS_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
                             "normalized": False, "special": True}, *added]
@@ -89,20 +88,20 @@ def shifted_tokenizer_json(text: str) -> dict:
 
 def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None) -> int:
     """Writes the HF model directory; returns the checkpoint step exported."""
-    h = sample.load_config(run_dir)
-    mesh = sample.make_mesh(h.model, None, None)
-    step, weights = sample.load_weights(run_dir, h, mesh, step)
+    run = load_run_config(run_dir)
+    mesh = run_mesh(run.model, None, None)
+    step, weights = load_weights(run_dir, run, mesh, step)
     weights = jax.device_get(weights)
-    dataset = dataset or h.dataset_path
+    dataset = dataset or run.dataset_path
     if not os.path.isdir(dataset):
         raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
     attrs = dict(zarr.open_group(dataset, mode="r").attrs).get("tokenizer", {})
     from safetensors.numpy import save_file
 
     os.makedirs(output, exist_ok=True)
-    save_file(hf_tensors(weights, h.model), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_tensors(weights, run.model), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(hf_config(h.model, max(h.seq_len, 2048), attrs.get("eos_id")), f, indent=2)
+        json.dump(hf_config(run.model, max(run.seq_len, 2048), attrs.get("eos_id")), f, indent=2)
     with open(os.path.join(output, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": attrs.get("eos_id"), "decoder_start_token_id": 0}, f, indent=2)
     if attrs.get("kind") == "tokenizers":
@@ -111,7 +110,7 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         with open(os.path.join(output, "tokenizer.json"), "w") as f:
             json.dump(shifted_tokenizer_json(text), f, ensure_ascii=False)
         eos = attrs.get("eos_token")
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": h.seq_len}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": run.seq_len}
         if eos:
             config["eos_token"] = eos
         with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
@@ -128,7 +127,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         step = export(args.run_dir, args.output, args.step, args.dataset)
-    except (ConfigError, DatasetError, ValueError) as e:
+    except SeqaxError as e:
         print(f"seqax: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote checkpoint {step} of {args.run_dir} to {args.output}")

@@ -15,7 +15,7 @@ less the paths that match an --exclude pattern:
 Empty documents are skipped. Documents keep their input order in each split, except that with
 --validation-documents a train document may come later (it was held as a validation candidate).
 
-Tokenizers (tools/tokenizer.py): `bytes` (UTF-8 bytes, vocabulary 258, no download; the default)
+Tokenizers (tokenizer.py): `bytes` (UTF-8 bytes, vocabulary 258, no download; the default)
 or a `tokenizers` tokenizer.json. Ids are stored +1 (0 is the model's begin-of-document input).
 
 Validation: document number i (counting from 0 in input order) goes to validation when its
@@ -46,8 +46,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from flat_tokens import DatasetError, FlatTokensWriter
-from tools.tokenizer import TokenizerError, from_spec, load_tokenizer
+from config import DatasetError, SeqaxError
+from flat_tokens import FlatTokensWriter
+from tokenizer import from_spec, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # text sent to a worker at a time
 
@@ -269,7 +270,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         info = prepare(args)
-    except (DatasetError, TokenizerError) as e:
+    except SeqaxError as e:
         print(f"prepare_dataset: error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {args.output}: {info['train_tokens']} train tokens in {info['train_documents']} documents, {info['validation_tokens']} validation tokens "

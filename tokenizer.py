@@ -1,4 +1,5 @@
-"""Tokenizers for tools/prepare_dataset.py, and the tokenizer of a written dataset (to decode).
+"""Tokenizers: the ones tools/prepare_dataset.py encodes with, and a dataset's own, rebuilt from
+what the dataset stores, for sample.py and tools/export_hf.py to decode and export.
 
 Id 0 is the model's begin-of-document input (train.py builds inputs with 0 at document starts),
 so no tokenizer here produces it:
@@ -18,12 +19,10 @@ import os
 import numpy as np
 import zarr
 
+from config import TokenizerError
+
 ID_OFFSET = 1  # stored id = tokenizer id + 1; 0 is the begin-of-document input
 MAX_ID = 2**31 - 1  # flat-tokens stores id * 2 + is_start in uint32
-
-
-class TokenizerError(ValueError):
-    """The tokenizer cannot be loaded or does not fit flat-tokens; the message says why."""
 
 
 class ByteTokenizer:

@@ -1,0 +1,78 @@
+"""Reading a run directory: its config.yaml, a mesh for the devices at hand, a checkpoint's
+weights. sample.py and tools/export_hf.py use it; it only reads (no lock, nothing written), so
+it may run beside the training run that writes the directory.
+"""
+
+import dataclasses
+import os
+
+import jax
+from omegaconf import OmegaConf
+
+import train
+from checkpoint import Checkpointer
+from config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict, mesh_misfit
+from shardlib.shardtypes import make_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """What sampling and export need of a run's config.yaml. Only these sections are read, so
+    runs written before a training-only key was added still load."""
+
+    model: ModelConfig
+    checkpoints: CheckpointConfig
+    dataset_path: str
+    seq_len: int  # training.tokens.len
+
+
+def load_run_config(run_dir: str) -> RunConfig:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist; --run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
+    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    try:
+        dataset_path, seq_len = cfg["dataset"]["path"], cfg["training"]["tokens"]["len"]
+        model, checkpoints = cfg["model"], cfg["checkpoints"]
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{path} lacks {e}; it is not a seqax run's config") from None
+    # Runs trained before model.attention_block existed: sampling attends over its KV cache
+    # without blocks, and one block of the training length is the attention they were trained with.
+    model = {"attention_block": seq_len, **model} if isinstance(model, dict) else model
+    model, checkpoints = config_from_dict(ModelConfig, model, "model."), config_from_dict(CheckpointConfig, checkpoints, "checkpoints.")
+    return RunConfig(model, checkpoints, dataset_path, seq_len)
+
+
+def default_mesh_shape(h: ModelConfig, devices: int) -> tuple[int, int]:
+    """(d, t): the most tensor parallelism that the weights allow on this many devices (the
+    rule of config.mesh_misfit); (devices, 1) when none does."""
+    fitting = [t for t in range(1, devices + 1) if devices % t == 0 and mesh_misfit(h, devices // t, t) is None]
+    t = max(fitting, default=1)
+    return devices // t, t
+
+
+def run_mesh(h: ModelConfig, d: int | None, t: int | None) -> jax.sharding.Mesh:
+    """The mesh of all devices for reading the run's weights: (d, t) as given (--mesh-d and
+    --mesh-t), or default_mesh_shape's when either is None."""
+    n = jax.device_count()
+    if d is None or t is None:
+        d, t = default_mesh_shape(h, n)
+    if d * t != n:
+        raise ConfigError(f"--mesh-d {d} x --mesh-t {t} must equal the {n} devices")
+    misfit = mesh_misfit(h, d, t)
+    if misfit:
+        raise ConfigError(f"{misfit}; choose --mesh-d/--mesh-t that divide it")
+    return train.make_mesh(d, t)
+
+
+def load_weights(run_dir: str, run: RunConfig, mesh, step: int | None = None) -> tuple[int, train.Model]:
+    """The weights of checkpoint `step` (default: the newest committed one), read only."""
+    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), run.checkpoints)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise ConfigError(f"{run_dir}/checkpoints holds no committed checkpoint")
+        shapes = {"weights": jax.eval_shape(lambda: train.init_weights(run.model, jax.random.key(0)))}
+        return step, checkpointer.read(step, shapes, {"weights": make_shardings(train.Model, mesh)})["weights"]
+    finally:
+        checkpointer.close()
