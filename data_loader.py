@@ -211,25 +211,26 @@ class BlockCache:
 
 
 class ShufflingLoader:
-    def __init__(self, h: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh):
+    def __init__(self, settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh):
         least = {"seed": 0, "streams": 1, "read_block_tokens": 1, "shuffle_buffer_tokens": 1, "prefetch": 0}
         for key, value in least.items():
-            if getattr(h, key) < value:
-                raise DatasetError(f"dataset.{key}={getattr(h, key)} must be at least {value}")
-        self.source = RowSource(dataset, split, length, h.packed)
-        if self.source.rows < h.streams:
-            raise DatasetError(f"dataset {self.source.where} has {self.source.rows} rows of length {length}, fewer than dataset.streams={h.streams}; lower it")
-        block = max(1, h.read_block_tokens // length)
-        window = max(block, h.shuffle_buffer_tokens // length)
-        self.order = RowOrder(self.source.rows, block, window, h.streams, h.seed)
-        self.cache = BlockCache(self.source, block, capacity=2 * h.streams * (math.ceil(window / block) + 2))
+            if getattr(settings, key) < value:
+                raise DatasetError(f"dataset.{key}={getattr(settings, key)} must be at least {value}")
+        self.source = RowSource(dataset, split, length, settings.packed)
+        if self.source.rows < settings.streams:
+            raise DatasetError(f"dataset {self.source.where} has {self.source.rows} rows of length {length}, "
+                               f"fewer than dataset.streams={settings.streams}; lower it")
+        block = max(1, settings.read_block_tokens // length)
+        window = max(block, settings.shuffle_buffer_tokens // length)
+        self.order = RowOrder(self.source.rows, block, window, settings.streams, settings.seed)
+        self.cache = BlockCache(self.source, block, capacity=2 * settings.streams * (math.ceil(window / block) + 2))
         self.batch_size, self.length = batch, length
         self.shape = (batch, length)
         self.sharding = NamedSharding(mesh, PartitionSpec("d", None))
         self.local_rows = sorted({_row_range(index, batch) for index in self.sharding.addressable_devices_indices_map(self.shape).values()})
-        self.prefetch = h.prefetch
+        self.prefetch = settings.prefetch
         self.pending: dict[int, concurrent.futures.Future] = {}
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seqax-prefetch") if h.prefetch else None
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seqax-prefetch") if settings.prefetch else None
 
     def epoch(self, step: int) -> int:
         """The epoch of the first row of the batch at `step`."""
@@ -277,5 +278,5 @@ def _row_range(index: tuple, batch: int) -> tuple[int, int]:
     return (rows.start or 0, batch if rows.stop is None else rows.stop)
 
 
-def make_loader(h: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh) -> ShufflingLoader:
-    return ShufflingLoader(h, dataset, split, batch, length, mesh)
+def make_loader(settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh) -> ShufflingLoader:
+    return ShufflingLoader(settings, dataset, split, batch, length, mesh)

@@ -39,34 +39,34 @@ def cluster_process_count() -> int | None:
     return None
 
 
-def resolve(h: DistributedConfig) -> dict | None:
+def resolve(distributed: DistributedConfig) -> dict | None:
     """The keyword arguments of jax.distributed.initialize for this process, or None for a
     single-process run. Unknown values stay None, for JAX to detect."""
-    if h.num_processes < 0 or h.process_id < -1:
-        raise ConfigError(f"distributed.num_processes={h.num_processes} and distributed.process_id={h.process_id} must be "
+    if distributed.num_processes < 0 or distributed.process_id < -1:
+        raise ConfigError(f"distributed.num_processes={distributed.num_processes} and distributed.process_id={distributed.process_id} must be "
                           "0 / -1 (read the environment) or a count and an index")
-    if h.heartbeat_timeout_seconds < 1 or h.initialization_timeout_seconds < 1:
+    if distributed.heartbeat_timeout_seconds < 1 or distributed.initialization_timeout_seconds < 1:
         raise ConfigError("distributed.heartbeat_timeout_seconds and distributed.initialization_timeout_seconds must be positive")
-    num = h.num_processes or _env_int("JAX_NUM_PROCESSES") or cluster_process_count() or 1
+    num = distributed.num_processes or _env_int("JAX_NUM_PROCESSES") or cluster_process_count() or 1
     if num == 1:
         return None
-    process_id = h.process_id if h.process_id >= 0 else _env_int("JAX_PROCESS_ID")
+    process_id = distributed.process_id if distributed.process_id >= 0 else _env_int("JAX_PROCESS_ID")
     if process_id is not None and not 0 <= process_id < num:
         raise ConfigError(f"process id {process_id} is not in 0..{num - 1} for {num} processes; "
                           "set distributed.process_id (or $JAX_PROCESS_ID) to this process's index")
-    return dict(coordinator_address=h.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
-                num_processes=num, process_id=process_id, initialization_timeout=h.initialization_timeout_seconds,
-                heartbeat_timeout_seconds=h.heartbeat_timeout_seconds, shutdown_timeout_seconds=h.heartbeat_timeout_seconds)
+    return dict(coordinator_address=distributed.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
+                num_processes=num, process_id=process_id, initialization_timeout=distributed.initialization_timeout_seconds,
+                heartbeat_timeout_seconds=distributed.heartbeat_timeout_seconds, shutdown_timeout_seconds=distributed.heartbeat_timeout_seconds)
 
 
-def initialize_distributed(h: DistributedConfig):
+def initialize_distributed(distributed: DistributedConfig):
     """Joins the other processes of the run, if there are any. Must run before any other JAX
     call: the devices of every process then make jax.devices()."""
-    settings = resolve(h)
+    settings = resolve(distributed)
     if settings is None:
         return
     # A collective whose peer died fails after this long instead of waiting forever.
-    flag = f"--xla_cpu_collective_timeout_seconds={h.heartbeat_timeout_seconds}"
+    flag = f"--xla_cpu_collective_timeout_seconds={distributed.heartbeat_timeout_seconds}"
     if "xla_cpu_collective_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     where = settings["coordinator_address"] or "the detected coordinator"
@@ -80,7 +80,7 @@ def initialize_distributed(h: DistributedConfig):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         who = "this process" if settings["process_id"] is None else f"process {settings['process_id']}"
         raise DistributedError(f"{who} could not join the {settings['num_processes']} processes "
-                               f"at {where} within {h.initialization_timeout_seconds} s: {first}") from None
+                               f"at {where} within {distributed.initialization_timeout_seconds} s: {first}") from None
 
 
 def console_name() -> str:
