@@ -7,9 +7,10 @@ Dimension names, used the same way in every annotation and spec string:
     M  d_model                       F  d_ff                       V  vocabulary
     Q  query heads per kv head       K  kv heads                   D  head dimension
     layers  transformer blocks (weights stacked, run with lax.scan)
-Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time);
-`t` splits heads, d_ff and vocabulary (tensor parallelism, Megatron-style: the residual stream
-is whole on every `t` device and the partial sums of a block are all-reduced over `t`).
+Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent
+as MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff
+and vocabulary (tensor parallelism, Megatron-style) and, between blocks, the residual stream's
+M (`B/d L M/t`): each block all-gathers it over t before its norm and reduce-scatters its output.
 
 Precision: weights, Adam moments, the residual stream and norms in float32; matmul operands in
 MATMUL_DTYPE (bfloat16) with float32 accumulation; every sum across devices in float32.
@@ -38,7 +39,7 @@ from data_loader import make_loader
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from multihost import console_name, exit_if_peer_lost, initialize_distributed
-from shardlib.shardops import all_gather, einsum_unreduced, index_unreduced, psum, take_unreduced
+from shardlib.shardops import all_gather, all_gather_cast, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
 from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
 
 # ---------------------------------------------------------------------------------------------
@@ -143,54 +144,57 @@ def rope(x, position, base: float):
 
 
 def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
-    """One block on the residual stream x [B/d, L, M] (float32): pre-RMSNorm grouped-query
+    """One block on the residual stream x [B/d, L, M/t] (float32): pre-RMSNorm grouped-query
     attention (Ainslie et al. 2023: Q query heads share each of the K kv heads) with RoPE, then
     pre-RMSNorm SwiGLU (Shazeer 2020). `attend(q, k, v) -> (o, extra)` is the attention proper:
     training attends within documents (training_layer); sample.py attends over its KV cache
     and returns the updated cache as `extra`. Returns (x after the block, extra)."""
-    nx = save_for_backward(rms_norm(x, w.attn_norm, h.norm_eps).astype(MATMUL_DTYPE))
-    # FSDP: gather this layer's weights over d in float32 (so that their gradients, the
-    # transpose, are reduce-scattered in float32), then cast for the matmul.
-    w_q = all_gather("M/d Q K/t D -> M Q K/t D", w.w_q).astype(MATMUL_DTYPE)
-    w_k = all_gather("M/d K/t D -> M K/t D", w.w_k).astype(MATMUL_DTYPE)
-    w_v = all_gather("M/d K/t D -> M K/t D", w.w_v).astype(MATMUL_DTYPE)
+    nx = all_gather("B/d L M/t -> B/d L M", x)  # the norm needs all of M
+    nx = save_for_backward(rms_norm(nx, w.attn_norm, h.norm_eps).astype(MATMUL_DTYPE))
+    # FSDP: gather this layer's weights over d, cast to MATMUL_DTYPE before they cross the wire;
+    # the gradients come back as float32 reduce-scatters (all_gather_cast's transpose).
+    w_q = all_gather_cast("M/d Q K/t D -> M Q K/t D", w.w_q, MATMUL_DTYPE)
+    w_k = all_gather_cast("M/d K/t D -> M K/t D", w.w_k, MATMUL_DTYPE)
+    w_v = all_gather_cast("M/d K/t D -> M K/t D", w.w_v, MATMUL_DTYPE)
     q = einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
     k = einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_k)
     v = save_for_backward(einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_v).astype(MATMUL_DTYPE))
     q = save_for_backward(rope(q, position, h.rope_base).astype(MATMUL_DTYPE))
     k = save_for_backward(rope(k, position, h.rope_base).astype(MATMUL_DTYPE))
     o, extra = attend(q, k, v)  # [B/d, L, Q, K/t, D]
-    w_o = all_gather("Q K/t D M/d -> Q K/t D M", w.w_o).astype(MATMUL_DTYPE)
+    w_o = all_gather_cast("Q K/t D M/d -> Q K/t D M", w.w_o, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L Q K/t D, Q K/t D M -> B/d L M", o, w_o)  # partial sums over t
-    x = save_for_backward(x + psum("B/d L M", out, "t"))
+    x = save_for_backward(x + psum_scatter("B/d L M -> B/d L M/t", out))
 
-    nx = save_for_backward(rms_norm(x, w.ffn_norm, h.norm_eps).astype(MATMUL_DTYPE))
-    w_gate = all_gather("M/d F/t -> M F/t", w.w_gate).astype(MATMUL_DTYPE)
-    w_up = all_gather("M/d F/t -> M F/t", w.w_up).astype(MATMUL_DTYPE)
+    nx = all_gather("B/d L M/t -> B/d L M", x)
+    nx = save_for_backward(rms_norm(nx, w.ffn_norm, h.norm_eps).astype(MATMUL_DTYPE))
+    w_gate = all_gather_cast("M/d F/t -> M F/t", w.w_gate, MATMUL_DTYPE)
+    w_up = all_gather_cast("M/d F/t -> M F/t", w.w_up, MATMUL_DTYPE)
     gate = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_gate).astype(MATMUL_DTYPE))
     up = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_up).astype(MATMUL_DTYPE))
     hidden = (gate * jax.nn.sigmoid(gate) * up).astype(MATMUL_DTYPE)  # silu(gate) * up
-    w_down = all_gather("F/t M/d -> F/t M", w.w_down).astype(MATMUL_DTYPE)
+    w_down = all_gather_cast("F/t M/d -> F/t M", w.w_down, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L F/t, F/t M -> B/d L M", hidden, w_down)  # partial sums over t
-    return x + psum("B/d L M", out, "t"), extra
+    return x + psum_scatter("B/d L M -> B/d L M/t", out), extra
 
 
 @typechecked
-def training_layer(h: ModelConfig, x: f32[b"B/d L M"], w: Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b"B/d L M"]:
+def training_layer(h: ModelConfig, x: f32[b"B/d L M/t"], w: Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b"B/d L M/t"]:
     """transformer_layer as training runs it: causal attention within documents, by blocks."""
     return transformer_layer(h, x, w, position, lambda q, k, v: (blockwise_attention(q, k, v, doc_start, h.attention_block), None))[0]
 
 
 def embed_tokens(w: Model, inputs):
-    """The residual stream [B/d, L, M] (float32) of input tokens [B/d, L]."""
+    """The residual stream [B/d, L, M/t] (float32) of input tokens [B/d, L]. The table stays
+    float32 on the wire: its gradient sums many tokens' rows, which bfloat16 would round badly."""
     embed = all_gather("V/t M/d -> V/t M", w.embed)
-    return psum("B/d L M", index_unreduced("V/t M, B/d L -> B/d L M", embed, inputs), "t")
+    return psum_scatter("B/d L M -> B/d L M/t", index_unreduced("V/t M, B/d L -> B/d L M", embed, inputs))
 
 
 def output_logits(h: ModelConfig, w: Model, x):
-    """Next-token logits [B/d, L, V/t] (float32, this device's slice of V) of the residual stream x."""
-    nx = rms_norm(x, w.final_norm, h.norm_eps).astype(MATMUL_DTYPE)
-    unembed = all_gather("M/d V/t -> M V/t", w.unembed).astype(MATMUL_DTYPE)
+    """Next-token logits [B/d, L, V/t] (float32, this device's slice of V) of the residual stream x [B/d, L, M/t]."""
+    nx = rms_norm(all_gather("B/d L M/t -> B/d L M", x), w.final_norm, h.norm_eps).astype(MATMUL_DTYPE)
+    unembed = all_gather_cast("M/d V/t -> M V/t", w.unembed, MATMUL_DTYPE)
     return einsum_unreduced("B/d L M, M V/t -> B/d L V/t", nx, unembed)
 
 
@@ -224,6 +228,28 @@ def model_flops_per_token(h: ModelConfig, seq_len: int) -> float:
     attention = 2 * (2 * (Q * K * D) * seq_len) / 2  # QK^T and PV against every key, halved
     forward = h.layers * (projections + ffn + attention) + 2 * M * V  # + the unembedding
     return 3.0 * forward
+
+
+def communication_per_step(cfg: Config) -> dict[tuple[str, str], float]:
+    """Bytes one device sends per step, by (collective, dtype), as the code above should send
+    them (communication.py reads what the compiled step does, for comparison). A ring collective
+    over g devices sends (g-1)/g of the full array, an all-reduce twice that. FSDP over d: each
+    layer weight is gathered twice (forward, and again by the backward pass's rematerialization)
+    as bf16 (sent as u16 bits) and its gradient reduce-scattered once in f32; the embedding table
+    goes in f32. TP over t: per layer the forward gathers the residual twice and scatters it
+    twice, the backward regathers it twice and transposes all four; embedding and logits add one
+    of each each way. Norm gradients and the scalars are all-reduced."""
+    h, (B, L), d, t = cfg.model, (cfg.training.tokens.batch, cfg.training.tokens.len), cfg.mesh.d, cfg.mesh.t
+    M, Q, K, D, F, V = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab
+    over_d, over_t, over_all = (d - 1) / d, (t - 1) / t, (d * t - 1) / (d * t)
+    layer_weights = (2 * M * Q * K * D + 2 * M * K * D + 3 * M * F) / t  # elements per device once gathered over d
+    residual = B // d * L * M * 4  # f32 bytes of x gathered over t
+    return {
+        ("all-gather", "u16"): (2 * h.layers * layer_weights + M * V / t) * 2 * over_d,
+        ("all-gather", "f32"): V / t * M * 4 * over_d + (6 * h.layers + 2) * residual * over_t,
+        ("reduce-scatter", "f32"): (h.layers * layer_weights + 2 * V / t * M) * 4 * over_d + (4 * h.layers + 2) * residual * over_t,
+        ("all-reduce", "f32"): 2 * ((2 * h.layers + 1) * M * 4 * over_all + 3 * B // d * L * 4 * over_t + 4 * over_d + 4 * over_all),
+    }
 
 
 @typechecked
@@ -386,9 +412,10 @@ def train(cfg: Config, resolved_yaml: str):
     log = training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)
     with jax.set_mesh(mesh), PreemptionWatch() as preemption:
         state = restored[1] if restored else init_state(cfg, mesh)
-        # Compile time, FLOPs, optimized HLO and memory report, before the first step runs.
+        # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
         step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
         log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
+        log.communication_report(step_fn, communication_per_step(cfg))
         try:
             for step in range(start, cfg.training.steps):
                 batch = loader.batch(step)

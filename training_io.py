@@ -1,7 +1,8 @@
 """What a run tells the researcher besides checkpoints, all in its run directory:
 config.yaml; one line per step on stdout, in metrics.jsonl and in TensorBoard (loss, learning
 rate, grad norm, tokens/s, MFU, step time, ETA); at start-up the compile time, the model FLOPs
-against XLA's count, and a memory report (memory_report.txt); the optimized HLO of the step
+against XLA's count, a memory report (memory_report.txt) and a communication report
+(communication_report.txt); the optimized HLO of the step
 (training_step.hlo.txt, .dot and .svg); a profiler trace of two steps (profile/).
 
 Only process 0 prints and writes. Logging reads the step's three scalars after the next step is
@@ -12,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import io
 import json
 import math
@@ -29,8 +31,10 @@ import tensorboardX
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
+import communication
 import hlo_graph
 from jax_extra import SAVED_NAME, explicit_activation_checkpointing
+from shardlib.shardtypes import make_partition_specs
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and peak rates. The model's FLOPs per token are train.model_flops_per_token, passed in.
@@ -170,16 +174,21 @@ def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDty
     """For the memory report, per device: what one transformer layer keeps for its backward pass
     (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
     float32 logits (B/d L V/t). `layer(x, w, doc_start, position)` is the layer as the step's
-    scan runs it; `state` gives the stacked layer weights (arrays or ShapeDtypeStructs)."""
+    scan runs it (train.training_layer with the model config bound), whose annotations give the
+    shardings of x [B, L, M], doc_start and position [B, L]; `state` gives the stacked layer
+    weights (arrays or ShapeDtypeStructs)."""
     B, L, M, d, t = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t
     lines = []
 
     def one_layer(w):  # the stacked weights without their leading `layers` axis
         return jax.ShapeDtypeStruct(w.shape[1:], w.dtype, sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
 
+    parameters = inspect.signature(layer).parameters
+    def annotated(name, shape, dtype):  # noqa: E306
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
+
     w = jax.tree.map(one_layer, state.weights.layers)
-    args = (jax.ShapeDtypeStruct((B, L, M), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("d"))), w,
-            *(jax.ShapeDtypeStruct((B, L), jnp.uint32, sharding=NamedSharding(mesh, PartitionSpec("d"))) for _ in range(2)))
+    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), annotated("position", (B, L), jnp.uint32))
 
     def probe(*args):  # inside shard_map, so that the shapes are per device
         lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))
@@ -395,6 +404,21 @@ class RunLog:
         text, _, _ = memory_report(compiled, state, self.cfg.model.layers, *memory_annotations(self.cfg, mesh, state, layer), title)
         self.print(text.rstrip())
         self.write("memory_report.txt", text)
+
+    def communication_report(self, compiled, predicted: dict):
+        """Prints the communication report and writes communication_report.txt: the compiled
+        step's collectives (communication.py) next to `predicted` (train.communication_per_step)."""
+        if not self.writes:
+            return
+        title = f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        try:
+            measured = communication.totals(communication.step_collectives(compiled.as_text()))
+        except ValueError as e:  # a report must not stop a run, e.g. if a new XLA prints HLO differently
+            warn(f"no communication report: {e}")
+            return
+        text = communication.report(title, measured, predicted)
+        self.print(text.rstrip())
+        self.write("communication_report.txt", text)
 
     # --- the loop
 

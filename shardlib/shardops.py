@@ -5,6 +5,7 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
 `shard_map`; array shapes are per device.
 
     all_gather('M/d F/t -> M F/t', w)            gather w over d along M
+    all_gather_cast('M/d F/t -> M F/t', w, bf16) the same, sent as bf16; its gradient a float32 reduce-scatter
     psum_scatter('B/d L M -> B/d L M/t', x)       sum partials over t, keep a 1/t slice of M
     psum('B/d L M', x, 't')                       sum partials over t, keep all of M
     einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)
@@ -12,6 +13,9 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
     take_unreduced('B/d L V/t, B/d L -> B/d L', logits, targets)
 """
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -58,7 +62,40 @@ def _require_f32(op: str, x):
 
 def all_gather(spec: str, x):
     """Gathers the innermost mesh axes that the output drops from each dimension."""
-    op = "all_gather"
+    return _gather(_gathers("all_gather", spec, x), x)
+
+
+def all_gather_cast(spec: str, x, dtype):
+    """all_gather of x cast to `dtype` before it crosses the wire (FSDP: a float32 weight sent
+    as bfloat16, half the bytes); the gradient flows back as a float32 reduce-scatter, so that
+    the cross-device sum is float32 whatever `dtype` is. x must be float32."""
+    op = "all_gather_cast"
+    gathers = _gathers(op, spec, x)
+    _require_f32(op, x)
+    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_cast(x, gathers, dtype):
+    # The cast values travel as unsigned integers of the same width: XLA:CPU widens a bfloat16
+    # collective back to float32, a bit-for-bit integer copy it leaves alone (GPUs, TPUs: free).
+    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    return lax.bitcast_convert_type(_gather(gathers, lax.bitcast_convert_type(x.astype(dtype), bits)), dtype)
+
+
+def _gather_cast_forward(x, gathers, dtype):
+    return _gather_cast(x, gathers, dtype), None
+
+
+def _gather_cast_backward(gathers, dtype, _, cotangent):
+    return (_scatter(reversed(gathers), cotangent.astype(jnp.float32)),)
+
+
+_gather_cast.defvjp(_gather_cast_forward, _gather_cast_backward)
+
+
+def _gathers(op: str, spec: str, x) -> list[tuple[int, tuple[str, ...]]]:
+    """(dimension, mesh axes gathered into it) of a gather spec, checked against x."""
     src, dst = _parse_unary(spec, op)
     gathers = []
     for i, (a, b) in enumerate(zip(src, dst)):
@@ -69,8 +106,20 @@ def all_gather(spec: str, x):
     if not gathers:
         raise SpecError(f"{op}: spec {spec!r} gathers nothing")
     _check_ndim(op, spec, src, x)
+    return gathers
+
+
+def _gather(gathers, x):
     for dim, axes in gathers:
-        x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        if lax.axis_size(axes) > 1:  # over one device the identity: no op at all (and no change of type)
+            x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+    return x
+
+
+def _scatter(scatters, x):
+    for dim, axes in scatters:
+        if lax.axis_size(axes) > 1:
+            x = lax.psum_scatter(x, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
     return x
 
 
@@ -88,9 +137,7 @@ def psum_scatter(spec: str, x):
         raise SpecError(f"{op}: spec {spec!r} scatters nothing")
     _check_ndim(op, spec, src, x)
     _require_f32(op, x)
-    for dim, axes in scatters:
-        x = lax.psum_scatter(x, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
-    return x
+    return _scatter(scatters, x)
 
 
 def psum(spec: str, x, axes: str | tuple[str, ...]):
@@ -106,7 +153,7 @@ def psum(spec: str, x, axes: str | tuple[str, ...]):
         raise SpecError(f"{op}: cannot sum over {axes} a value laid out as {spec!r}: an axis that shards it holds different parts, not partials")
     _check_ndim(op, spec, dims, x)
     _require_f32(op, x)
-    return lax.psum(x, axes)
+    return lax.psum(x, axes)  # also over one device: psum is what types the result as the same on every device
 
 
 def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):

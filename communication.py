@@ -1,0 +1,150 @@
+"""What a training step sends between devices: the collectives of the compiled step's HLO, each
+counted as often as it runs (a while loop's body `trip count` times), as bytes that one device
+sends, next to what a formula predicts and the time those bytes take over a given link.
+
+Bytes one device sends per collective over a group of g devices (ring algorithms, which NCCL,
+ICI and gloo use for large messages): all-gather and reduce-scatter (g-1)/g of the gathered
+(or scattered) full array, all-reduce twice that, a permute its whole operand. A collective over
+a group of one device sends nothing. The figures are per step and per device.
+"""
+
+import collections
+import dataclasses
+import math
+import re
+
+import hlo_graph
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+# How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their
+# uint16 bits (XLA:CPU would widen a bfloat16 collective to float32).
+SHOWN_DTYPE = {"u16": "bf16 (as u16 bits)"}
+
+# Per-device link bandwidth, one direction, bytes/s: what a device can send while all send.
+LINK_BANDWIDTH = [
+    # NVIDIA H100/H200 SXM: NVLink 4, 18 links x 25 GB/s per direction = 450 GB/s (900 GB/s both ways).
+    ("NVLink 4 (H100/H200 SXM, within a node)", 450e9),
+    # NVIDIA A100 SXM: NVLink 3, 12 links x 25 GB/s per direction = 300 GB/s.
+    ("NVLink 3 (A100 SXM, within a node)", 300e9),
+    # One 400 Gb/s InfiniBand NDR adapter per GPU (DGX H100): 50 GB/s per direction.
+    ("InfiniBand NDR 400 Gb/s per GPU (between nodes)", 50e9),
+    # Google Cloud TPU v5p: ICI 4,800 Gbps per chip (both ways, all links) = 300 GB/s per direction.
+    ("TPU v5p ICI", 300e9),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of KINDS
+    dtype: str  # HLO element type of what is sent
+    group: int  # devices in each group
+    bytes_sent: float  # by one device, each time it runs
+    runs: int  # times per step (loop trip counts applied)
+
+
+def array_bytes(shape: str) -> tuple[str, int]:
+    """(dtype, bytes) of an HLO shape such as 'f32[16,64]{1,0}', or of a tuple of them."""
+    arrays = _ARRAY.findall(shape)
+    return (arrays[0][0] if arrays else "?"), sum(math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE.get(t, 4) for t, dims in arrays)
+
+
+def group_size(attributes: str) -> int:
+    """Devices per group of a collective's replica_groups: '{{0,1},{2,3}}' or the iota form '[2,2]<=[4]'."""
+    match = re.search(r"replica_groups=\{\{([\d,]*)\}", attributes)
+    if match:
+        return len(match.group(1).split(","))
+    match = re.search(r"replica_groups=\[([\d,]+)\]<=", attributes)
+    if match:
+        return int(match.group(1).split(",")[-1])
+    return 1
+
+
+def sent_bytes(kind: str, full_bytes: int, group: int) -> float:
+    """Bytes one device sends for a collective whose full (gathered, or pre-scatter) array has
+    `full_bytes`, over `group` devices; for a permute, full_bytes is its operand."""
+    if kind == "collective-permute":
+        return float(full_bytes)
+    share = (group - 1) / group
+    return (2 if kind == "all-reduce" else 1) * share * full_bytes
+
+
+def step_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled step (Compiled.as_text()) with how often it runs: the
+    computations reached from the entry, a while body's count multiplied by its trip count. A
+    loop of unknown trip count (a fori_loop with a traced bound) holding a collective counts its
+    body once and is named in the error raised, since the bytes would be a guess."""
+    computations = hlo_graph.parse_hlo(hlo_text)
+    lines = {}
+    for line in hlo_text.splitlines():
+        match = re.match(r"^\s+(?:ROOT )?%(\S+) = (.*)$", line)
+        if match:
+            lines[match.group(1)] = match.group(2)
+    runs: collections.Counter = collections.Counter()
+
+    def visit(name: str, times: int, path: tuple):
+        if name in path or name not in computations:
+            return
+        runs[name] += times
+        for inst in computations[name].instructions:
+            for called in inst.calls:
+                if inst.opcode == "while" and inst.trip_count is None and any(_holds_collective(computations, called, ())):
+                    raise ValueError(f"while loop {inst.name} runs collectives an unknown number of times")
+                visit(called, times * (inst.trip_count or 1) if inst.opcode == "while" else times, path + (name,))
+
+    entry = next(c.name for c in computations.values() if c.is_entry)
+    visit(entry, 1, ())
+    found = []
+    for name, times in runs.items():
+        for inst in computations[name].instructions:
+            kind = inst.opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            text = lines[inst.name]
+            shape = text.split(f" {inst.opcode}(")[0]
+            if inst.opcode.endswith("-start") and shape.startswith("("):  # (operand, result): the result
+                shape = shape[shape.rindex(", ") + 2 : -1] if kind != "collective-permute" else shape
+            group = group_size(text)
+            dtype, size = array_bytes(shape)
+            if kind == "reduce-scatter":
+                size *= group  # the result is one device's slice; the ring moves the whole array
+            if kind == "collective-permute":
+                group = 2
+            found.append(Collective(kind, dtype, group, sent_bytes(kind, size, group) if group > 1 else 0.0, times))
+    return found
+
+
+def _holds_collective(computations: dict, name: str, path: tuple):
+    if name in path or name not in computations:
+        return
+    for inst in computations[name].instructions:
+        if inst.opcode.removesuffix("-start") in KINDS:
+            yield True
+        for called in inst.calls:
+            yield from _holds_collective(computations, called, path + (name,))
+
+
+def totals(collectives: list[Collective]) -> dict[tuple[str, str], float]:
+    """Bytes sent per device per step by (kind, dtype)."""
+    out: collections.Counter = collections.Counter()
+    for c in collectives:
+        out[(c.kind, c.dtype)] += c.bytes_sent * c.runs
+    return dict(out)
+
+
+def report(title: str, measured: dict[tuple[str, str], float], predicted: dict[tuple[str, str], float]) -> str:
+    """The communication report: bytes per device per step by collective and dtype, from the HLO
+    and from the formula, and the time the HLO's total takes at each link bandwidth."""
+    MiB = 2**20
+    lines = [f"Communication per device per step of the training step: {title}", "",
+             f"  {'collective':<18} {'dtype':<20} {'HLO (loops counted)':>20} {'formula':>12} {'HLO / formula':>14}"]
+    for key in sorted(set(measured) | set(predicted)):
+        m, p = measured.get(key, 0.0), predicted.get(key, 0.0)
+        ratio = f"{m / p:.3f}" if p else "-"
+        lines.append(f"  {key[0]:<18} {SHOWN_DTYPE.get(key[1], key[1]):<20} {m / MiB:16.3f} MiB {p / MiB:8.3f} MiB {ratio:>14}")
+    total_m, total_p = sum(measured.values()), sum(predicted.values())
+    lines.append(f"  {'total':<39} {total_m / MiB:16.3f} MiB {total_p / MiB:8.3f} MiB {total_m / total_p if total_p else 0:14.3f}")
+    lines += ["", "Time to send the HLO's total at a link's bandwidth per device (no overlap with compute assumed):"]
+    lines += [f"  {name:<52} {bandwidth / 1e9:6.0f} GB/s  {total_m / bandwidth * 1e3:9.3f} ms" for name, bandwidth in LINK_BANDWIDTH]
+    return "\n".join(lines) + "\n"
