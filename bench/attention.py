@@ -3,10 +3,11 @@
     .venv/bin/python -m bench.attention [--batch 4 --heads 8 --kv-heads 2 --d-head 64]
         [--lengths 512 1024 2048] [--blocks 128 256 512] [--repeats 5]
 
-Runs attention.dense_attention (the L x S scores materialized) and attention.blockwise_attention (block
-pairs, causal half only, online softmax, custom backward) on one device with random bfloat16
-inputs and a few documents per row, and prints one row per (length, method): median time of
-value-and-gradient, the speed-up over dense, and the compiled program's temporary bytes.
+Runs attention.dense_attention (the L x S scores materialized, attention.causal_document_mask's
+mask) and attention.blockwise_attention (block pairs, causal half only, online softmax, custom
+backward) on one device with random bfloat16 inputs and about four documents a row, and prints
+one row per (length, method): median time of value-and-gradient, the speed-up over dense, and
+the compiled program's temporary bytes.
 """
 
 import argparse
@@ -32,9 +33,8 @@ def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
 
 
 def dense(q, k, v, doc_start):
-    L = q.shape[1]
-    mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
-    return attention.dense_attention(q, k, v, mask)
+    position = jnp.arange(q.shape[1])
+    return attention.dense_attention(q, k, v, attention.causal_document_mask(position, position, doc_start, doc_start))
 
 
 def value_and_grad(attend):

@@ -3,10 +3,11 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.checkpoint_async \\
         [--steps 10] [--rounds 4] [--compression none] [--keep 2] [key=value ...]
 
-The loop is train.py's: dispatch step s, then read the metrics of step s-1; when a checkpoint
-is due, log step s and `save(s + 1, state)`, which returns after the device-to-host copy while
-the files are written in the background. Batches are random tokens. Rounds alternate the two
-modes so that a change in the machine's load hits both; the figures are medians.
+The loop is train.py's: dispatch step s, then read the metrics of step s-1 (RunLog.after_step);
+when a checkpoint is due, read those of step s too (RunLog.flush) and `save(s + 1, state)`,
+which returns after the device-to-host copy while the files are written in the background.
+Batches are bench/measure_step.py's (random tokens, one document a row). Rounds alternate the
+two modes so that a change in the machine's load hits both; the figures are medians.
 """
 
 import argparse
@@ -20,31 +21,27 @@ import numpy as np
 
 import config
 import train
+from bench.measure_step import random_batch
 from checkpoint import Checkpointer
 from config import CheckpointConfig
 
 
-def step_times(h: config.Config, mesh, steps: int, directory: str | None, cfg: CheckpointConfig) -> tuple[list[float], list[float]]:
+def step_times(cfg: config.Config, mesh, steps: int, directory: str | None, checkpoints: CheckpointConfig) -> tuple[list[float], list[float]]:
     """Wall time of each loop iteration after the first three, and of each save() call."""
-    rng = np.random.default_rng(0)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
-    B, L = h.training.tokens.batch, h.training.tokens.len
-    targets = jax.device_put(rng.integers(1, h.model.vocab, (B, L)).astype(np.uint32), sharding)
-    starts = jax.device_put(rng.random((B, L)) < 0.02, sharding)
-    mask = jax.device_put(np.ones((B, L), bool), sharding)
-    checkpointer = Checkpointer(directory, cfg) if directory else None
+    targets, starts, mask = random_batch(cfg, mesh)
+    checkpointer = Checkpointer(directory, checkpoints) if directory else None
     times, saves = [], []
     with jax.set_mesh(mesh):
-        state = train.init_state(h, mesh)
+        state = train.init_state(cfg, mesh)
         pending, last = None, time.perf_counter()
         for step in range(3 + steps):
-            state, metrics = train.training_step(state, jnp.uint32(step), targets, starts, mask, h)
+            state, metrics = train.training_step(state, jnp.uint32(step), targets, starts, mask, cfg)
             if pending is not None:
-                jax.device_get(pending)  # what RunLog.step waits for
+                jax.device_get(pending)  # what RunLog.after_step waits for
             pending = metrics
             if checkpointer:
                 checkpointer.check()
-                jax.device_get(pending)
+                jax.device_get(pending)  # RunLog.flush
                 pending = None
                 start = time.perf_counter()
                 checkpointer.save(step + 1, state)
@@ -69,16 +66,17 @@ def main(argv=None):
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. model.d_model=512")
     args = parser.parse_args(argv)
-    h = config.load_config(args.config, args.overrides + ["+paths.model_name=bench"])
-    mesh = train.make_mesh(h.mesh.d, h.mesh.t)
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(h, mesh))))
-    cfg = CheckpointConfig(keep=args.keep, compression=args.compression, level=3, threads=8)
+    cfg = config.load_config(args.config, args.overrides + ["+paths.model_name=bench"])
+    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(cfg, mesh))))
+    checkpoints = CheckpointConfig(keep=args.keep, compression=args.compression, level=3, threads=8)
     plain, saving, saves = [], [], []
     for _ in range(args.rounds):
-        plain += step_times(h, mesh, args.steps, None, cfg)[0]
-        times, calls = step_times(h, mesh, args.steps, tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir), cfg)
+        plain += step_times(cfg, mesh, args.steps, None, checkpoints)[0]
+        times, calls = step_times(cfg, mesh, args.steps, tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir), checkpoints)
         saving, saves = saving + times, saves + calls
-    print(f"config {args.config} {' '.join(args.overrides)}: state {state_bytes / 1e6:.1f} MB, mesh d={h.mesh.d} t={h.mesh.t}, {cfg}")
+    print(f"config {args.config} {' '.join(args.overrides)}: state {state_bytes / 1e6:.1f} MB, mesh d={cfg.mesh.d} t={cfg.mesh.t}, {checkpoints}")
+
     def summary(times):
         q1, q2, q3 = np.percentile(times, [25, 50, 75]) * 1000
         return f"median {q2:.0f} ms (quartiles {q1:.0f}-{q3:.0f}, {len(times)} steps)"

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import train
 from checkpoint import Checkpointer
 from config import CheckpointConfig
 
@@ -93,9 +94,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compression", nargs="+", default=["none", "zstd"])
     args = parser.parse_args(argv)
-    auto = (jax.sharding.AxisType.Auto,) * 2
-    mesh = jax.make_mesh((4, 2), ("d", "t"), axis_types=auto)
-    other = jax.make_mesh((8, 1), ("d", "t"), axis_types=auto)
+    mesh, other = train.make_mesh(4, 2), train.make_mesh(8, 1)
     state = make_state(args.gb, mesh)
     nbytes = sum(x.nbytes for x in state.values())
     work = tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir)
@@ -117,6 +116,7 @@ def main(argv=None):
         write, read = (lambda r: r[0][0]), (lambda r: r[0][1])
         print(f"{c:5s} save {figure(lambda r, c=c: r[1][c][0][0], write)}, write phase alone {figure(lambda r, c=c: r[1][c][0][1], write)}; "
               f"restore onto 4x2 {figure(lambda r, c=c: r[1][c][1][0], read)}, onto 8x1 {figure(lambda r, c=c: r[1][c][1][1], read)}")
+
 
 if __name__ == "__main__":
     main()

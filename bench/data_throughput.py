@@ -10,6 +10,7 @@ first two) or --step-seconds; bench/throughput.py measures it for any config.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+import train  # noqa: E402
 from config import DatasetConfig  # noqa: E402
 from data_loader import make_loader  # noqa: E402
 from flat_tokens import open_flat_tokens  # noqa: E402
@@ -52,11 +54,11 @@ def train_bpe(path: str, vocab: int) -> float:
     return time.perf_counter() - start
 
 
-def loader_rates(h: DatasetConfig, batch: int, length: int, steps: int, step_seconds: float | None):
-    dataset = open_flat_tokens(h.path)
-    mesh = jax.make_mesh((4, 2), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+def loader_rates(settings: DatasetConfig, batch: int, length: int, steps: int, step_seconds: float | None):
+    dataset = open_flat_tokens(settings.path)
+    mesh = train.make_mesh(4, 2)
     tokens = steps * batch * length
-    plain = make_loader(DatasetConfig(**{**vars(h), "prefetch": 0}), dataset, "train", batch, length, mesh)
+    plain = make_loader(dataclasses.replace(settings, prefetch=0), dataset, "train", batch, length, mesh)
     start = time.perf_counter()
     for s in range(steps):
         plain.local_batch(s)
@@ -65,7 +67,7 @@ def loader_rates(h: DatasetConfig, batch: int, length: int, steps: int, step_sec
     for s in range(steps, 2 * steps):
         jax.block_until_ready(plain.batch(s).targets)
     device = tokens / (time.perf_counter() - start)
-    fresh = make_loader(h, dataset, "train", batch, length, mesh)
+    fresh = make_loader(settings, dataset, "train", batch, length, mesh)
     start = time.perf_counter()
     jax.block_until_ready(fresh.batch(1_000_000).targets)
     jump = time.perf_counter() - start
@@ -75,7 +77,7 @@ def loader_rates(h: DatasetConfig, batch: int, length: int, steps: int, step_sec
           f"{plain.epoch(2 * steps)})")
     print(f"loader: batch(1_000_000) on a fresh loader {jump * 1e3:.1f} ms")
     if step_seconds:
-        overlapped = make_loader(h, dataset, "train", batch, length, mesh)
+        overlapped = make_loader(settings, dataset, "train", batch, length, mesh)
         waits = []
         for s in range(min(steps, 40)):
             start = time.perf_counter()
@@ -85,7 +87,7 @@ def loader_rates(h: DatasetConfig, batch: int, length: int, steps: int, step_sec
         overlapped.close()
         need = batch * length / step_seconds
         print(f"training step: {step_seconds:.3f} s = {need:,.0f} tokens/s consumed; the loader alone is {device / need:,.0f}x faster")
-        print(f"with prefetch {h.prefetch} behind a {step_seconds:.3f} s step: batch() waits median {statistics.median(waits[1:]) * 1e3:.1f} ms, "
+        print(f"with prefetch {settings.prefetch} behind a {step_seconds:.3f} s step: batch() waits median {statistics.median(waits[1:]) * 1e3:.1f} ms, "
               f"max {max(waits[1:]) * 1e3:.1f} ms ({statistics.median(waits[1:]) / step_seconds:.2%} of a step)")
 
 
@@ -107,8 +109,8 @@ def main():
         tokens = info["train_tokens"] + info["validation_tokens"]
         print(f"prepare_dataset, BPE tokenizer (vocab {args.bpe_vocab}, trained in {seconds:.1f} s): {tokens:,} tokens in {info['seconds']:.2f} s = "
               f"{info['tokens_per_second']:,.0f} tokens/s")
-        config = OmegaConf.load(os.path.join(ROOT, "configs", f"{args.config}.yaml"))
-        h = DatasetConfig(**{**OmegaConf.to_container(config.dataset), "path": os.path.join(tmp, "bytes.zarr")})
+        yaml = OmegaConf.load(os.path.join(ROOT, "configs", f"{args.config}.yaml"))
+        settings = DatasetConfig(**{**OmegaConf.to_container(yaml.dataset), "path": os.path.join(tmp, "bytes.zarr")})
         step_seconds = args.step_seconds
         if step_seconds is None and os.path.exists(args.train_metrics):
             with open(args.train_metrics) as f:
@@ -116,7 +118,7 @@ def main():
             step_seconds = statistics.median(times) if times else None
         if step_seconds is None:
             print(f"no training step time: run `make train-text` (it writes {args.train_metrics}) or pass --step-seconds", file=sys.stderr)
-        loader_rates(h, config.training.tokens.batch, config.training.tokens.len, args.steps, step_seconds)
+        loader_rates(settings, yaml.training.tokens.batch, yaml.training.tokens.len, args.steps, step_seconds)
 
 
 if __name__ == "__main__":

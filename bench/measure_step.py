@@ -29,30 +29,30 @@ def progress(text: str):
     print(text, flush=True)
 
 
-def random_batch(h: config.Config, mesh):
+def random_batch(cfg: config.Config, mesh):
     """Random tokens, one document per row, sharded like the loader's batches. One document:
     blockwise attention then computes every block pair on or below the diagonal, exactly the
     work the MFU formula counts (rows of short documents let it skip pairs: faster, but not
     the long-document case that a throughput figure should hold)."""
-    B, L = h.training.tokens.batch, h.training.tokens.len
+    B, L = cfg.training.tokens.batch, cfg.training.tokens.len
     rng = np.random.default_rng(0)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
-    targets = jax.device_put(rng.integers(1, h.model.vocab, (B, L)).astype(np.uint32), sharding)
+    targets = jax.device_put(rng.integers(1, cfg.model.vocab, (B, L)).astype(np.uint32), sharding)
     starts = jax.device_put(np.arange(L)[None, :].repeat(B, 0) == 0, sharding)
     mask = jax.device_put(np.ones((B, L), bool), sharding)
     return targets, starts, mask
 
 
-def time_steps(h: config.Config, steps: int, warmup: int):
+def time_steps(cfg: config.Config, steps: int, warmup: int):
     """Compiles the training step ahead of time, then times warmup + steps steps.
     Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
-    mesh = train.make_mesh(h.mesh.d, h.mesh.t)
-    batch = random_batch(h, mesh)
+    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t)
+    batch = random_batch(cfg, mesh)
     times = []
     with jax.set_mesh(mesh):
-        state = train.init_state(h, mesh)
+        state = train.init_state(cfg, mesh)
         started = time.perf_counter()
-        step_fn = train.compile_training_step(h, state, mesh)
+        step_fn = train.compile_training_step(cfg, state, mesh)
         compile_seconds = time.perf_counter() - started
         progress(f"compiled in {compile_seconds:.1f} s")
         for step in range(warmup + steps):
@@ -75,20 +75,20 @@ def peak_memory(compiled) -> tuple[int | None, str]:
 
 
 def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
-    h = config.load_config(name, overrides + ["+paths.model_name=bench"])
+    cfg = config.load_config(name, overrides + ["+paths.model_name=bench"])
     n = jax.device_count()
-    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={h.mesh.d} t={h.mesh.t}", steps=steps,
-              warmup=warmup, tokens_per_step=h.training.tokens.batch * h.training.tokens.len)
-    if h.mesh.d * h.mesh.t != n:
-        row.status, row.note = "skipped", f"its mesh is for {h.mesh.d * h.mesh.t} device(s), this machine has {n}"
+    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={cfg.mesh.d} t={cfg.mesh.t}", steps=steps,
+              warmup=warmup, tokens_per_step=cfg.training.tokens.batch * cfg.training.tokens.len)
+    if cfg.mesh.d * cfg.mesh.t != n:
+        row.status, row.note = "skipped", f"its mesh is for {cfg.mesh.d * cfg.mesh.t} device(s), this machine has {n}"
         return row
-    config.validate_config(h, n, max_token_id=0)  # the batch is random tokens below model.vocab
-    compiled, row.compile_seconds, times = time_steps(h, steps, warmup)
+    config.validate_config(cfg, n, max_token_id=0)  # the batch is random tokens below model.vocab
+    compiled, row.compile_seconds, times = time_steps(cfg, steps, warmup)
     row.step_time_median_s, row.step_time_min_s, row.step_time_max_s = float(np.median(times)), min(times), max(times)
     row.tokens_per_second = row.tokens_per_step / row.step_time_median_s
     row.peak_memory_bytes, row.peak_memory_source = peak_memory(compiled)
     peak, peak_source = training_io.peak_flops()  # on CPU a measurement: after the steps, so that it does not slow them
-    row.mfu = train.model_flops_per_token(h.model, h.training.tokens.len) * row.tokens_per_second / peak if peak else None
+    row.mfu = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * row.tokens_per_second / peak if peak else None
     row.note = f"MFU of {peak / 1e12:.3g} TFLOP/s: {peak_source}" if peak else f"no peak FLOP/s known: {peak_source}"
     return row
 

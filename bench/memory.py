@@ -29,9 +29,9 @@ from shardlib.shardtypes import make_shardings
 GiB = 2**30
 
 
-def abstract_state(h: config.Config, mesh) -> train.State:
+def abstract_state(cfg: config.Config, mesh) -> train.State:
     """The training state as ShapeDtypeStructs with their shardings on `mesh`."""
-    state = jax.eval_shape(lambda: train.init_state(h, mesh))
+    state = jax.eval_shape(lambda: train.init_state(cfg, mesh))
     return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, make_shardings(train.State, mesh))
 
 
@@ -39,40 +39,40 @@ def parameter_count(state: train.State) -> int:
     return sum(math.prod(w.shape) for w in jax.tree.leaves(state.weights))
 
 
-def config_mesh(h: config.Config):
+def config_mesh(cfg: config.Config):
     """The config's (d, t) mesh on the first d*t devices of this machine."""
-    needed = h.mesh.d * h.mesh.t
+    needed = cfg.mesh.d * cfg.mesh.t
     if needed > jax.device_count():
-        raise SystemExit(f"mesh d={h.mesh.d} t={h.mesh.t} needs {needed} devices, this machine has {jax.device_count()}; "
+        raise SystemExit(f"mesh d={cfg.mesh.d} t={cfg.mesh.t} needs {needed} devices, this machine has {jax.device_count()}; "
                          f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
-    return train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:needed])
+    return train.make_mesh(cfg.mesh.d, cfg.mesh.t, devices=jax.devices()[:needed])
 
 
-def accelerator_estimate(h: config.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
+def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
     """training_io's memory estimate per device of a GPU or TPU (its terms), from shapes alone
     (no compilation), with the abstract state, layer residuals and logits it came from."""
     with jax.set_mesh(mesh):
-        state = abstract_state(h, mesh)
-        residuals, logits = training_io.memory_annotations(h, mesh, state, partial(train.training_layer, h.model))
-    terms, _ = training_io.memory_estimate(state, h.model.layers, residuals, logits, xla_cpu=False)
+        state = abstract_state(cfg, mesh)
+        residuals, logits = training_io.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
+    terms, _ = training_io.memory_estimate(state, cfg.model.layers, residuals, logits, xla_cpu=False)
     return terms, state, residuals, logits
 
 
 def measure(name: str, overrides: list[str], report: bool) -> dict:
-    h = config.load_config(name, overrides + ["+paths.model_name=memory"])
-    config.validate_config(h, h.mesh.d * h.mesh.t, max_token_id=0)
-    mesh = config_mesh(h)
-    terms, state, residuals, logits = accelerator_estimate(h, mesh)
+    cfg = config.load_config(name, overrides + ["+paths.model_name=memory"])
+    config.validate_config(cfg, cfg.mesh.d * cfg.mesh.t, max_token_id=0)
+    mesh = config_mesh(cfg)
+    terms, state, residuals, logits = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
-        compiled = train.compile_training_step(h, state, mesh)
+        compiled = train.compile_training_step(cfg, state, mesh)
     if report:
-        title = f"{name}, mesh d={h.mesh.d} t={h.mesh.t}, compiled for {jax.devices()[0].device_kind}"
-        print(training_io.memory_report(compiled, state, h.model.layers, residuals, logits, title)[0])
+        title = f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t}, compiled for {jax.devices()[0].device_kind}"
+        print(training_io.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
     return {
         "config": name,
         "parameters": parameter_count(state),
-        "mesh": f"d={h.mesh.d} t={h.mesh.t}",
-        "batch": f"{h.training.tokens.batch} x {h.training.tokens.len}",
+        "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t}",
+        "batch": f"{cfg.training.tokens.batch} x {cfg.training.tokens.len}",
         "estimate_gib": sum(size for _, size in terms) / GiB,
         "xla_cpu_peak_gib": training_io.compiled_peak_bytes(compiled.memory_analysis()) / GiB,
     }

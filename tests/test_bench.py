@@ -1,7 +1,7 @@
 """The benchmarks: bench/throughput.py's rows and table (a config per child process, skipped,
-failed, timed-out and not-run rows), bench/gpu.sh end to end on CPU and its fail-fast checks,
+failed, timed-out and not-run rows), bench/gpu/gpu.sh end to end on CPU and its fail-fast checks,
 and the ladder configs (complete, valid, and with the parameter counts their model files
-state). bench/compare_commits.py against HEAD. Memory figures in comments are estimates, not tested."""
+state, and the memory estimates their comments state). bench/compare_commits.py against HEAD."""
 
 import json
 import math
@@ -16,7 +16,8 @@ import pytest
 
 import config
 import train
-from bench import memory, throughput
+import training_io
+from bench import compare_commits, memory, throughput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = ["gpu1_125m", "gpu1_350m", "gpu1_1b", "gpu1_2b", "gpu8_125m", "gpu8_350m", "gpu8_1b", "gpu8_2b", "tpu8_1b"]
@@ -25,10 +26,10 @@ TINY_ONE_DEVICE = "mesh.d=1 mesh.t=1 model.layers=1 training.tokens.batch=4 trai
 
 
 def run_gpu_sh(tmp_path, **env):
-    """bench/gpu.sh with this test's Python, no wheels folder and the given variables."""
+    """bench/gpu/gpu.sh with this test's Python, no wheels folder and the given variables."""
     full_env = {**os.environ, "PYTHON": sys.executable, "SEQAX_BENCH_WHEELS": str(tmp_path / "no_wheels"), **env}
     started = time.monotonic()
-    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], env=full_env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "gpu.sh")], env=full_env, capture_output=True, text=True, timeout=240)
     return result, time.monotonic() - started
 
 
@@ -36,7 +37,7 @@ def assert_fails_fast_with_one_line(result, seconds, *phrases):
     assert result.returncode == 1, result
     assert result.stdout == "", result.stdout  # no table
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench/gpu.sh: error: "), result.stderr
+    assert len(lines) == 1 and lines[0].startswith("bench/gpu/gpu.sh: error: "), result.stderr
     for phrase in phrases:
         assert phrase in lines[0], (phrase, lines[0])
     assert seconds < 30, seconds
@@ -69,7 +70,7 @@ def test_gpu_sh_fails_fast_naming_a_missing_package(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'hydra'\", name='hydra')\n")
     result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", PYTHONPATH=str(tmp_path / "site"))
-    assert_fails_fast_with_one_line(result, seconds, "hydra-core", "is missing", "no_wheels is absent", "bench/gpu_wheels.sh")
+    assert_fails_fast_with_one_line(result, seconds, "hydra-core", "is missing", "no_wheels is absent", "bench/gpu/gpu_wheels.sh")
 
 
 def test_gpu_sh_fails_fast_without_a_gpu(tmp_path):
@@ -90,7 +91,7 @@ def test_gpu_sh_fails_fast_on_wheels_that_do_not_install(tmp_path):
     wheels.mkdir()
     (wheels / "broken-1.0-py3-none-any.whl").write_text("not a zip file")
     result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_WHEELS=str(wheels))
-    assert_fails_fast_with_one_line(result, seconds, "pip could not install", "bench/gpu_wheels.sh")
+    assert_fails_fast_with_one_line(result, seconds, "pip could not install", "bench/gpu/gpu_wheels.sh")
 
 
 def test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure(tmp_path):
@@ -154,22 +155,22 @@ def independent_parameter_count(m: config.ModelConfig) -> int:
 
 @pytest.mark.parametrize("name", LADDER)
 def test_ladder_config_is_valid_and_as_large_as_its_model_file_says(name):
-    h = config.load_config(name, ["+paths.model_name=check"])
-    n_devices = h.mesh.d * h.mesh.t
-    config.validate_config(h, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
-    assert h.model.vocab == 32768 and h.model.attention_block == 512 and h.training.tokens.len == 2048
+    cfg = config.load_config(name, ["+paths.model_name=check"])
+    n_devices = cfg.mesh.d * cfg.mesh.t
+    config.validate_config(cfg, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
+    assert cfg.model.vocab == 32768 and cfg.model.attention_block == 512 and cfg.training.tokens.len == 2048
     size = name.split("_")[1]
     with open(os.path.join(ROOT, "configs", "ladder", f"model_{size}.yaml")) as f:
         stated = int(re.search(r"^# ([\d,]+) parameters", f.read(), re.M).group(1).replace(",", ""))
-    mesh = train.make_mesh(h.mesh.d, h.mesh.t, devices=jax.devices()[:n_devices])
-    assert memory.parameter_count(memory.abstract_state(h, mesh)) == independent_parameter_count(h.model) == stated
+    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, devices=jax.devices()[:n_devices])
+    assert memory.parameter_count(memory.abstract_state(cfg, mesh)) == independent_parameter_count(cfg.model) == stated
     assert math.isclose(stated, {"125m": 125e6, "350m": 350e6, "1b": 1e9, "2b": 2e9}[size], rel_tol=0.05)
 
 
 def test_compare_commits_times_a_commit_against_this_checkout():
-    """bench/compare_commits.py loads train.py at a commit next to this checkout's and alternates
-    their steps: against HEAD it prints both step times, the ratio and both memories. The base's
-    missing keys are dropped (HEAD has them all, so none here)."""
+    """bench/compare_commits.py imports a commit's train.py with that commit's own modules, next
+    to this checkout's, and alternates their steps: against HEAD it prints both step times, the
+    ratio and both memories. The base's missing keys are dropped (HEAD has them all, so none here)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     command = [sys.executable, "-m", "bench.compare_commits", "--base", "HEAD", "--rounds", "2", "--", *TINY_ONE_DEVICE.split()]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -179,6 +180,15 @@ def test_compare_commits_times_a_commit_against_this_checkout():
     assert 0.2 < ratio < 5, ratio  # the same code on both sides
     assert "dropped" not in result.stdout
     assert re.search(r"XLA temporary memory per device: base [\d.]+ MiB, this checkout [\d.]+ MiB", result.stdout)
+
+
+def test_compare_commits_imports_the_base_with_its_own_modules(tmp_path):
+    """The base's train.py runs with the base's training_io, config, ...; this checkout's modules
+    are the ones imported by name afterwards."""
+    base = compare_commits.load_train_at("HEAD", str(tmp_path))
+    assert base is not train and base.training_io is not training_io and base.Config is not config.Config
+    assert base.__file__.startswith(str(tmp_path)) and base.training_io.__file__.startswith(str(tmp_path))
+    assert sys.modules["train"] is train and sys.modules["training_io"] is training_io and sys.modules["config"] is config
 
 
 def test_compare_commits_names_a_commit_that_does_not_exist():
@@ -221,8 +231,8 @@ def test_throughput_takes_its_child_along_when_terminated():
 def test_ladder_memory_estimate_is_the_one_its_comment_states(name):
     """Each ladder config's comment states training_io's memory estimate for its accelerator; it
     must stay true when the model's saved activations change (recomputed from shapes alone)."""
-    h = config.load_config(name, ["+paths.model_name=memory"])
-    terms, *_ = memory.accelerator_estimate(h, memory.config_mesh(h))
+    cfg = config.load_config(name, ["+paths.model_name=memory"])
+    terms, *_ = memory.accelerator_estimate(cfg, memory.config_mesh(cfg))
     estimate = sum(size for _, size in terms) / 2**30
     with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
         stated = float(re.search(r"training_io's estimate ([\d.]+) GiB", f.read()).group(1))
