@@ -67,7 +67,7 @@ class Split:
             raise DatasetError(f"dataset {path!r} is missing: chunk {i} of {array}; write the dataset again")
         if recorded is not None and os.path.getsize(path) != recorded[i]:
             size = os.path.getsize(path)
-            raise DatasetError(f"dataset {path!r} holds {size} bytes, {recorded[i]} when written: chunk {i} of {array} is truncated or damaged; write it again")
+            raise DatasetError(f"dataset {path!r} holds {size} bytes, not the {recorded[i]} written: chunk {i} of {array} is truncated or damaged; rewrite it")
 
     def check_files(self):
         for array in ARRAYS:
