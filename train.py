@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig, OmegaConf
 
+import run_lock
 import training_io
 from attention import blockwise_attention
 from checkpoint import Checkpointer, PreemptionWatch
@@ -379,37 +380,38 @@ def train(cfg: Config, resolved_yaml: str):
     loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
     eval_batches = evaluation_batches(cfg, dataset, mesh)
     run_dir = os.path.join(cfg.paths.root_working_dir, cfg.paths.model_name)
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)
-    # A checkpoint that does not fit the config stops the run here, before anything is written.
-    restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
-    start = restored[0] if restored else 0
-    log = training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)
-    with jax.set_mesh(mesh), PreemptionWatch() as preemption:
-        state = restored[1] if restored else init_state(cfg, mesh)
-        # Compile time, FLOPs, optimized HLO and memory report, before the first step runs.
-        step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
-        log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
-        try:
-            for step in range(start, cfg.training.steps):
-                batch = loader.batch(step)
-                log.before_step(step, state)  # the profiler trace covers two steps after the first
-                state, metrics = step_fn(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask)
-                log.after_step(step, metrics)  # logs the step before: reading metrics never stalls the device
-                checkpointer.check()  # a failed background write stops training here
-                preempted, done = preemption.reached(step), step + 1
-                if preempted or is_due(cfg.checkpoint_interval, done, cfg.training.steps):
-                    log.flush()  # every step a checkpoint holds is logged before it commits
-                    checkpointer.save(done, state)  # returns after the device-to-host copy
-                if eval_batches and is_due(cfg.eval_interval, done, cfg.training.steps):
-                    log.eval(done, evaluate(cfg, state.weights, eval_batches))
-                if preempted:
-                    print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
-                    break
-        finally:
-            loader.close()  # stops the prefetch threads
-            checkpointer.close()  # waits for the write in flight
-    log.close()
-    return state
+    with run_lock.hold(run_dir):  # one writer: before anything in the run directory is touched
+        checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)
+        # A checkpoint that does not fit the config stops the run here, before anything but the lock is written.
+        restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
+        start = restored[0] if restored else 0
+        log = training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)
+        with jax.set_mesh(mesh), PreemptionWatch() as preemption:
+            state = restored[1] if restored else init_state(cfg, mesh)
+            # Compile time, FLOPs, optimized HLO and memory report, before the first step runs.
+            step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
+            log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
+            try:
+                for step in range(start, cfg.training.steps):
+                    batch = loader.batch(step)
+                    log.before_step(step, state)  # the profiler trace covers two steps after the first
+                    state, metrics = step_fn(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask)
+                    log.after_step(step, metrics)  # logs the step before: reading metrics never stalls the device
+                    checkpointer.check()  # a failed background write stops training here
+                    preempted, done = preemption.reached(step), step + 1
+                    if preempted or is_due(cfg.checkpoint_interval, done, cfg.training.steps):
+                        log.flush()  # every step a checkpoint holds is logged before it commits
+                        checkpointer.save(done, state)  # returns after the device-to-host copy
+                    if eval_batches and is_due(cfg.eval_interval, done, cfg.training.steps):
+                        log.eval(done, evaluate(cfg, state.weights, eval_batches))
+                    if preempted:
+                        print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
+                        break
+            finally:
+                loader.close()  # stops the prefetch threads
+                checkpointer.close()  # waits for the write in flight
+        log.close()
+        return state
 
 
 @hydra.main(config_path="configs", config_name=None, version_base=None)
