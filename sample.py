@@ -110,14 +110,18 @@ def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, tempe
     return choose_tokens(logits, key, index, temperature, top_k, max_token_id)[:, None], cache
 
 
+def cache_size(mesh, prompt_length: int, num_samples: int, max_new_tokens: int) -> tuple[int, int]:
+    """(B, S) of the KV cache: samples padded to a multiple of `d`; token 0, the prompt and every
+    generated token but the last (which is never an input)."""
+    d = mesh.shape["d"]
+    return math.ceil(num_samples / d) * d, 1 + prompt_length + max_new_tokens - 1
+
+
 def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None, verbose: bool = False) -> np.ndarray:
     """max_new_tokens tokens [num_samples, max_new_tokens] after the prompt's ids."""
-    d = mesh.shape["d"]
-    batch = math.ceil(num_samples / d) * d
+    batch, length = cache_size(mesh, len(prompt), num_samples, max_new_tokens)
     inputs = np.tile(np.array([0, *prompt], np.uint32), (batch, 1))
-    length = inputs.shape[1] + max_new_tokens - 1  # the last token generated is never an input
-    check_cache_fits(h, batch, length, mesh)
     with jax.set_mesh(mesh):
         cache = init_cache(h, batch, length, mesh)
         if verbose:
@@ -195,6 +199,7 @@ def main(argv=None):
         tokenizer = dataset_tokenizer(args.dataset or run.dataset_path)
         prompt = encode_prompt(tokenizer, args.prompt)
         mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
+        check_cache_fits(run.model, *cache_size(mesh, len(prompt), args.num_samples, args.max_new_tokens), mesh)
         step, weights = load_weights(args.run_dir, run, mesh, args.step)
         print(f"checkpoint {step} of {args.run_dir}, mesh d={mesh.shape['d']} t={mesh.shape['t']}, prompt of {len(prompt)} tokens", file=sys.stderr)
         top_k = min(args.top_k, run.model.vocab)
