@@ -191,3 +191,20 @@ def test_bad_values_are_one_line_with_the_remedy(override, message):
 
 def test_good_values_pass():
     validate_config(load_config("local_test_synthetic", ["+paths.model_name=run"]), 8, max_token_id=10)
+
+
+@pytest.mark.parametrize("where", ["equal", "inside"])
+def test_prepare_dataset_refuses_an_output_that_is_or_holds_an_input(tmp_path, capsys, where):
+    from tools import prepare_dataset
+
+    text = tmp_path / "out" / "text.txt" if where == "inside" else tmp_path / "text.txt"
+    text.parent.mkdir(exist_ok=True)
+    text.write_text("a document\n\nanother one\n")
+    output = tmp_path / "out" if where == "inside" else text
+    before = snapshot(tmp_path)
+    with pytest.raises(SystemExit) as exit:
+        prepare_dataset.main([str(text), "--output", str(output), "--overwrite", "--workers", "1", "--quiet", "--txt-documents", "paragraph"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}'; writing it would delete the input; choose another --output"]
+    assert snapshot(tmp_path) == before
