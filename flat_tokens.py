@@ -6,6 +6,9 @@ A zarr v3 group with one subgroup per split (`train`, `validation`). Each split 
 and the group's attributes hold `max_token_id` (the largest token id in any split) and
 `format` = "flat-tokens/1". A dataset is written to a temporary name and renamed into place,
 so a path that exists is complete; FlatTokensWriter streams documents of any total size.
+Every chunk carries its CRC32C and every token array records the size of each of its files
+(`stored_bytes`): opening checks that each file is there and whole, each read checks its files
+again and zarr the checksums, so a damaged dataset is one DatasetError, never zeros.
 """
 
 import contextlib
