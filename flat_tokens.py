@@ -19,6 +19,7 @@ import shutil
 import sys
 import uuid
 
+import google_crc32c
 import numpy as np
 import zarr
 
@@ -28,6 +29,7 @@ FORMAT = "flat-tokens/1"
 SPLITS = ("train", "validation")
 ARRAYS = ("encoded_tokens", "seq_starts")
 STORED_BYTES = "stored_bytes"  # array attribute: the size of each of its files, recorded at commit
+UNLISTED = 2**64 - 1  # a shard index's offset of a chunk that was never written
 CHUNK_TOKENS = 1 << 20
 
 
@@ -71,6 +73,22 @@ class Split:
         if recorded is not None and os.path.getsize(path) != recorded[i]:
             size = os.path.getsize(path)
             raise DatasetError(f"dataset {path!r} holds {size} bytes, not the {recorded[i]} written: chunk {i} of {array} is truncated or damaged; rewrite it")
+        if recorded is not None and getattr(self, array).shards:
+            self._check_shard_index(array, i, path)
+
+    def _check_shard_index(self, array: str, i: int, path: str):
+        """A shard's index (at its end: (offset, length) of each chunk as uint64, then their
+        CRC32C) must list every chunk inside the array: every chunk was written, and zarr would
+        read an unlisted one as zeros."""
+        values = getattr(self, array)
+        per_shard, chunk = values.shards[0] // values.chunks[0], values.chunks[0]
+        inside = min(per_shard, -(-(values.shape[0] - i * values.shards[0]) // chunk))
+        with open(path, "rb") as f:
+            f.seek(-(16 * per_shard + 4), os.SEEK_END)
+            index = f.read(16 * per_shard + 4)
+        offsets = np.frombuffer(index[:-4], "<u8").reshape(per_shard, 2)[:inside, 0]
+        if np.uint32(google_crc32c.value(index[:-4])).tobytes() != index[-4:] or np.any(offsets == UNLISTED):
+            raise DatasetError(f"dataset {path!r}: the index of shard {i} of {array} fails its CRC32C or lacks a chunk; write the dataset again")
 
     def check_files(self):
         for array in ARRAYS:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import google_crc32c
 import numpy as np
 import pytest
 import zarr
@@ -73,6 +74,19 @@ def test_missing_or_truncated_chunk_stops_at_open(dataset, damage, message):
         open_flat_tokens(dataset)
     assert path in str(error.value) and "\n" not in str(error.value)
     assert snapshot(dataset) == before
+
+
+def test_a_chunk_unlisted_from_its_shard_index_stops_at_open(tmp_path):
+    path = str(tmp_path / "data.zarr")
+    write_flat_tokens(path, {"train": documents(120, 0), "validation": documents(10, 1)}, {}, chunk_tokens=CHUNK, shard_tokens=2 * CHUNK)
+    shard = os.path.join(path, "train", "encoded_tokens", "c", "1")
+    data = bytearray(open(shard, "rb").read())
+    index = np.frombuffer(bytes(data[-36:-4]), "<u8").copy()  # 2 chunks x (offset, length), then the CRC32C
+    index[:2] = 2**64 - 1  # a valid index that says chunk 0 was never written: zarr would read zeros
+    data[-36:] = index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).tobytes()
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(DatasetError, match=r"c/1': the index of shard 1 of encoded_tokens fails its CRC32C or lacks a chunk"):
+        open_flat_tokens(path)
 
 
 def test_a_flipped_byte_stops_the_prefetching_loader_with_the_chunk_named(dataset):
