@@ -220,3 +220,35 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int):
         raise ConfigError(f"checkpoint_interval={cfg.checkpoint_interval} must be 0 (save only at the end and on SIGTERM) or a positive step count")
     if cfg.eval_interval < 0 or cfg.eval_batches < 0:
         raise ConfigError(f"eval_interval={cfg.eval_interval} and eval_batches={cfg.eval_batches} must not be negative (eval_batches=0 turns evaluation off)")
+    check_values(cfg)
+
+
+LEVELS = {"zstd": (1, 22), "blosc": (0, 9)}
+
+
+def check_values(cfg: Config):
+    """The numbers that only the devices' math would otherwise reject, late or silently."""
+    m, tr = cfg.model, cfg.training
+    for key, value in (("layers", m.layers), ("d_head", m.d_head), ("n_q_per_kv", m.n_q_per_kv)):
+        if value <= 0:
+            raise ConfigError(f"model.{key}={value} must be positive; set it to 1 or more")
+    if tr.learning_rate < 0:
+        raise ConfigError(f"training.learning_rate={tr.learning_rate} must not be negative")
+    for key, value in (("adam_b1", tr.adam_b1), ("adam_b2", tr.adam_b2)):
+        if not 0 <= value < 1:
+            raise ConfigError(f"training.{key}={value} must be in [0, 1) (typical: 0.9 and 0.95)")
+    if not tr.adam_eps > 0:
+        raise ConfigError(f"training.adam_eps={tr.adam_eps} must be positive (typical: 1e-8)")
+    if tr.weight_decay < 0:
+        raise ConfigError(f"training.weight_decay={tr.weight_decay} must not be negative (0 turns it off)")
+    if not tr.grad_clip > 0:
+        raise ConfigError(f"training.grad_clip={tr.grad_clip} must be positive (typical: 1.0)")
+    if not 0 <= tr.final_learning_rate_fraction <= 1:
+        raise ConfigError(f"training.final_learning_rate_fraction={tr.final_learning_rate_fraction} must be in [0, 1]")
+    name = cfg.paths.model_name
+    if not name or "/" in name or name in (".", ".."):
+        raise ConfigError(f"paths.model_name={name!r} must be a plain directory name (not empty, no '/' or '..'); set +paths.model_name=RUN")
+    c = cfg.checkpoints
+    if c.compression in LEVELS and not LEVELS[c.compression][0] <= c.level <= LEVELS[c.compression][1]:
+        low, high = LEVELS[c.compression]
+        raise ConfigError(f"checkpoints.level={c.level} is out of range for {c.compression}; choose {low}..{high}")

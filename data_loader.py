@@ -162,11 +162,11 @@ class RowSource:
         if self.packed:
             begin, end = first * L, min((first + count) * L, self.split.num_tokens)
             tokens = np.zeros(count * L, np.uint32)
-            tokens[: end - begin] = self.split.encoded_tokens[begin:end]
+            tokens[: end - begin] = self.split.read("encoded_tokens", begin, end)
             valid = np.clip(end - begin - np.arange(count) * L, 0, L)
             return tokens.reshape(count, L), valid
-        starts = self.split.seq_starts[first : first + count + 1].astype(np.int64)
-        flat = self.split.encoded_tokens[int(starts[0]) : int(starts[-1])]
+        starts = self.split.read("seq_starts", first, first + count + 1).astype(np.int64)
+        flat = self.split.read("encoded_tokens", int(starts[0]), int(starts[-1]))
         valid = np.minimum(np.diff(starts), L)
         offsets = starts[:-1] - starts[0]
         if np.any((flat[offsets] & 1) == 0):

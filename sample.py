@@ -110,13 +110,18 @@ def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, tempe
     return choose_tokens(logits, key, index, temperature, top_k, max_token_id)[:, None], cache
 
 
+def cache_size(mesh, prompt_length: int, num_samples: int, max_new_tokens: int) -> tuple[int, int]:
+    """(B, S) of the KV cache: samples padded to a multiple of `d`; token 0, the prompt and every
+    generated token but the last (which is never an input)."""
+    d = mesh.shape["d"]
+    return math.ceil(num_samples / d) * d, 1 + prompt_length + max_new_tokens - 1
+
+
 def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None, verbose: bool = False) -> np.ndarray:
     """max_new_tokens tokens [num_samples, max_new_tokens] after the prompt's ids."""
-    d = mesh.shape["d"]
-    batch = math.ceil(num_samples / d) * d
+    batch, length = cache_size(mesh, len(prompt), num_samples, max_new_tokens)
     inputs = np.tile(np.array([0, *prompt], np.uint32), (batch, 1))
-    length = inputs.shape[1] + max_new_tokens - 1  # the last token generated is never an input
     with jax.set_mesh(mesh):
         cache = init_cache(h, batch, length, mesh)
         if verbose:
@@ -133,6 +138,44 @@ def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_
             start += step_inputs.shape[1]
             out.append(tokens)
         return np.concatenate(jax.device_get(out), axis=1)[:num_samples]
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's ids, refused unless they decode back to the prompt: a character the
+    tokenizer drops or replaces would silently change what the samples continue."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise ConfigError(f"--prompt is not valid UTF-8 (byte {ord(text[e.start]) - 0xDC00:#04x} at character {e.start}); pass UTF-8 text") from None
+    encode = lambda t: [int(i) for i in tokenizer.encode([t])[0] if int(i) != tokenizer.eos_id]  # noqa: E731
+    if tokenizer.decode(encode(text)) != text:
+        bad = next(i for i in range(1, len(text) + 1) if tokenizer.decode(encode(text[:i])) != text[:i]) - 1
+        raise ConfigError(f"--prompt character {text[bad]!r} (U+{ord(text[bad]):04X}, at {bad}) cannot be encoded by the run's tokenizer; leave it out")
+    return encode(text)
+
+
+def free_memory(device) -> int:
+    """Bytes a new buffer on `device` can take: the allocator's limit less what is in use, or,
+    for the host's CPU devices (which share it), the memory the kernel reports available."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def check_cache_fits(h: ModelConfig, batch: int, length: int, mesh):
+    """Refuses, before allocating it, a KV cache larger than the memory its devices have free."""
+    shape = (h.layers, batch, length, h.n_kv, h.d_head)
+    shard = make_shardings(KVCache, mesh).k.shard_shape(shape)
+    device = mesh.devices.flat[0]
+    # CPU devices share the host's memory: the whole cache must fit; else each device its shard.
+    need = 2 * 2 * math.prod(shape if device.platform == "cpu" else shard)  # k and v, bf16
+    free = free_memory(device)
+    if need > free:
+        raise ConfigError(f"the KV cache of {batch} samples x {length} positions needs {need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free "
+                          f"on {device.platform}; lower --max-new-tokens (or --num-samples, or the prompt)")
 
 
 def main(argv=None):
@@ -154,8 +197,9 @@ def main(argv=None):
             raise ConfigError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k not negative")
         run = load_run_config(args.run_dir)
         tokenizer = dataset_tokenizer(args.dataset or run.dataset_path)
-        prompt = [int(i) for i in tokenizer.encode([args.prompt])[0] if int(i) != tokenizer.eos_id]
+        prompt = encode_prompt(tokenizer, args.prompt)
         mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
+        check_cache_fits(run.model, *cache_size(mesh, len(prompt), args.num_samples, args.max_new_tokens), mesh)
         step, weights = load_weights(args.run_dir, run, mesh, args.step)
         print(f"checkpoint {step} of {args.run_dir}, mesh d={mesh.shape['d']} t={mesh.shape['t']}, prompt of {len(prompt)} tokens", file=sys.stderr)
         top_k = min(args.top_k, run.model.vocab)

@@ -19,7 +19,7 @@ import os
 import numpy as np
 import zarr
 
-from config import TokenizerError
+from config import DatasetError, TokenizerError
 
 ID_OFFSET = 1  # stored id = tokenizer id + 1; 0 is the begin-of-document input
 MAX_ID = 2**31 - 1  # flat-tokens stores id * 2 + is_start in uint32
@@ -120,6 +120,8 @@ def load_tokenizer(name: str, eos: bool = True, eos_token: str | None = None):
 
 def dataset_tokenizer(path: str):
     """The tokenizer that wrote the flat-tokens dataset at `path`, for decoding."""
+    if not os.path.isdir(path):
+        raise DatasetError(f"dataset {path!r} (for its tokenizer) does not exist; pass --dataset PATH of the run's flat-tokens dataset")
     group = zarr.open_group(path, mode="r")
     info = dict(group.attrs).get("tokenizer", {})
     if info.get("kind") == "bytes":

@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 from omegaconf import DictConfig, OmegaConf
 
+import run_lock
 import training_io
 from attention import blockwise_attention
 from checkpoint import Checkpointer, PreemptionWatch
@@ -405,12 +406,13 @@ def train(cfg: Config, resolved_yaml: str):
     loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
     eval_batches = evaluation_batches(cfg, dataset, mesh)
     run_dir = os.path.join(cfg.paths.root_working_dir, cfg.paths.model_name)
-    checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)
-    # A checkpoint that does not fit the config stops the run here, before anything is written.
-    restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
-    start = restored[0] if restored else 0
-    log = training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)
-    with jax.set_mesh(mesh), PreemptionWatch() as preemption:
+    # One writer per run directory: the lock comes before anything there is read or written.
+    with run_lock.hold(run_dir), jax.set_mesh(mesh), PreemptionWatch() as preemption:
+        checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)
+        # A checkpoint that does not fit the config stops the run here, before anything but the lock is written.
+        restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
+        start = restored[0] if restored else 0
+        log = training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)
         state = restored[1] if restored else init_state(cfg, mesh)
         # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
         step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
@@ -435,7 +437,7 @@ def train(cfg: Config, resolved_yaml: str):
         finally:
             loader.close()  # stops the prefetch threads
             checkpointer.close()  # waits for the write in flight
-    log.close()
+        log.close()
     return state
 
 

@@ -2,7 +2,7 @@
 when the dataset was tokenized with a tokenizer.json, the tokenizer), which
 `transformers.LlamaForCausalLM.from_pretrained(DIR)` loads with every weight used.
 
-    python -m tools.export_hf --run-dir runs/RUN [--step N] --output hf_model/
+    python -m tools.export_hf --run-dir runs/RUN [--step N] --output hf_model/ [--overwrite]
 
 The architectures agree: pre-RMSNorm, grouped-query attention with RoPE in the rotate-half
 layout (HF's `rotate_half` pairs dims i and i + D/2 with rate base^(-2i/D), as train.rope), SwiGLU,
@@ -20,13 +20,15 @@ has no tokenizer file to export: its ids are UTF-8 byte + 1 (257 ends a document
 import argparse
 import json
 import os
+import shutil
 import sys
+import uuid
 
 import jax
 import numpy as np
 import zarr
 
-from config import DatasetError, SeqaxError, TokenizerError
+from config import ConfigError, DatasetError, SeqaxError, TokenizerError
 from runs import load_run_config, load_weights, run_mesh
 
 BOS_TOKEN = "<seqax_bos>"
@@ -86,8 +88,16 @@ def shifted_tokenizer_json(text: str) -> dict:
     return tok
 
 
-def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None) -> int:
-    """Writes the HF model directory; returns the checkpoint step exported."""
+def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None, overwrite: bool = False) -> int:
+    """Writes the HF model directory; returns the checkpoint step exported. Everything goes to
+    `<output>.tmp-<random>`, renamed into place when complete: an interrupted export leaves no
+    half-written output, and --overwrite replaces the old one whole (no stale files)."""
+    if os.path.lexists(output) and not overwrite:
+        raise ConfigError(f"--output {output!r} exists; pass --overwrite to replace it, or choose another --output")
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise ConfigError("the export writes safetensors, which is not installed: .venv/bin/pip install -r requirements-dev.txt") from None
     run = load_run_config(run_dir)
     mesh = run_mesh(run.model, None, None)
     step, weights = load_weights(run_dir, run, mesh, step)
@@ -96,26 +106,43 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     if not os.path.isdir(dataset):
         raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
     attrs = dict(zarr.open_group(dataset, mode="r").attrs).get("tokenizer", {})
-    from safetensors.numpy import save_file
-
-    os.makedirs(output, exist_ok=True)
-    save_file(hf_tensors(weights, run.model), os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(hf_config(run.model, max(run.seq_len, 2048), attrs.get("eos_id")), f, indent=2)
-    with open(os.path.join(output, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 0, "eos_token_id": attrs.get("eos_id"), "decoder_start_token_id": 0}, f, indent=2)
-    if attrs.get("kind") == "tokenizers":
-        group = zarr.open_group(dataset, mode="r")
-        text = group[attrs["stored_as"]][:].tobytes().decode("utf-8")
-        with open(os.path.join(output, "tokenizer.json"), "w") as f:
-            json.dump(shifted_tokenizer_json(text), f, ensure_ascii=False)
-        eos = attrs.get("eos_token")
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": run.seq_len}
-        if eos:
-            config["eos_token"] = eos
-        with open(os.path.join(output, "tokenizer_config.json"), "w") as f:
-            json.dump(config, f, indent=2)
+    tmp = f"{output.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
+    os.makedirs(tmp)
+    try:
+        save_file(hf_tensors(weights, run.model), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), attrs.get("eos_id")))
+        write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": 0, "eos_token_id": attrs.get("eos_id"), "decoder_start_token_id": 0})
+        if attrs.get("kind") == "tokenizers":
+            text = zarr.open_group(dataset, mode="r")[attrs["stored_as"]][:].tobytes().decode("utf-8")
+            with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
+                json.dump(shifted_tokenizer_json(text), f, ensure_ascii=False)
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": run.seq_len}
+            if attrs.get("eos_token"):
+                config["eos_token"] = attrs["eos_token"]
+            write_json(os.path.join(tmp, "tokenizer_config.json"), config)
+        replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return step
+
+
+def write_json(path: str, value: dict):
+    with open(path, "w") as f:
+        json.dump(value, f, indent=2)
+
+
+def replace(tmp: str, output: str):
+    """Renames `tmp` to `output`; an existing output (directory or file) is renamed away first
+    and deleted after, so `output` is always the old export or the new one, whole."""
+    old = f"{output.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
+    if os.path.lexists(output):
+        os.rename(output, old)
+    os.rename(tmp, output)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old)
+    elif os.path.lexists(old):
+        os.remove(old)
 
 
 def main(argv=None):
@@ -124,9 +151,10 @@ def main(argv=None):
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--output", required=True, help="the HF model directory to write")
     parser.add_argument("--dataset", help="the run's dataset, for its tokenizer (default: the run's dataset.path)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (whole: no file of the old export stays)")
     args = parser.parse_args(argv)
     try:
-        step = export(args.run_dir, args.output, args.step, args.dataset)
+        step = export(args.run_dir, args.output, args.step, args.dataset, args.overwrite)
     except SeqaxError as e:
         print(f"seqax: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -189,7 +189,18 @@ class Splitter:
         self.writer.add_documents("validation", [tokens for _, _, tokens in sorted(self.held, key=lambda x: x[1])])
 
 
+def check_output_apart(inputs: list[str], output: str):
+    """Replacing the output must never delete an input: refuse an output equal to or holding one."""
+    out = os.path.realpath(output)
+    for name in inputs:
+        for path in glob.glob(name, recursive=True) or [name]:
+            path = os.path.realpath(path)
+            if path == out or path.startswith(out + os.sep):
+                raise DatasetError(f"--output {output!r} is or contains the input {name!r}; writing it would delete the input; choose another --output")
+
+
 def prepare(args) -> dict:
+    check_output_apart(args.inputs, args.output)
     tokenizer = load_tokenizer(args.tokenizer, eos=not args.no_eos, eos_token=args.eos_token)
     start, total = time.perf_counter(), 0
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds zarr's threads

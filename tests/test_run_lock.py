@@ -1,0 +1,99 @@
+"""One writer per run directory (run_lock.py): a second run on a live run's directory stops at
+once with one line naming it, and changes nothing; the lock dies with its holder."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import run_lock
+from config import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "training.tokens.batch=8",
+         "training.steps=12", "checkpoint_interval=4", "eval_batches=0"]
+
+
+def snapshot(path) -> dict:
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
+    return out
+
+
+def start_train(root, name: str, dataset: str) -> subprocess.Popen:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}",
+           f"dataset.path={dataset}", *SMALL]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("data") / "synthetic.zarr")
+    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", path], cwd=ROOT, check=True, capture_output=True)
+    return path
+
+
+def losses(run_dir) -> list[tuple[int, float]]:
+    return [(l["step"], l["loss"]) for l in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in l]
+
+
+def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path):
+    run_dir = str(tmp_path / "run")
+    with run_lock.hold(run_dir):
+        with pytest.raises(ConfigError, match=rf"run directory '{run_dir}' is in use by a live run \(pid {os.getpid()} on host {socket.gethostname()}\)"):
+            with run_lock.hold(run_dir):
+                pass
+    with run_lock.hold(run_dir):  # released on exit
+        pass
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    run_dir = str(tmp_path / "run")
+    script = f"import run_lock, time\nwith run_lock.hold({run_dir!r}):\n    print('held', flush=True)\n    time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    with pytest.raises(ConfigError, match=f"pid {holder.pid} on host"):
+        with run_lock.hold(run_dir):
+            pass
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    with run_lock.hold(run_dir):
+        pass
+
+
+def test_a_second_run_stops_at_once_and_the_first_finishes_undisturbed(dataset, tmp_path):
+    reference = start_train(tmp_path, "reference", dataset)
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]
+    first = start_train(tmp_path, "run", dataset)
+    lock = tmp_path / "run" / run_lock.LOCK_FILE
+    try:
+        deadline = time.monotonic() + 300
+        while not (lock.exists() and lock.read_text().startswith(f"pid {first.pid} ")):
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-3000:] if first.poll() is not None else "no lock"
+            time.sleep(0.1)
+        first.send_signal(signal.SIGSTOP)  # keeps it alive, holding the lock, however fast it trains
+        before = snapshot(tmp_path / "run")
+        began = time.monotonic()
+        second = start_train(tmp_path, "run", dataset)
+        _, stderr = second.communicate(timeout=120)
+        elapsed = time.monotonic() - began
+        assert snapshot(tmp_path / "run") == before
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2 and elapsed < 60
+    holder = f"pid {first.pid} on host {socket.gethostname()}"
+    line = f"seqax: error: run directory '{tmp_path / 'run'}' is in use by a live run ({holder}); wait for it to end, or choose another paths.model_name"
+    assert stderr.splitlines() == [line]
+    assert first.wait(timeout=600) == 0, first.stderr.read()[-3000:]
+    assert losses(tmp_path / "run") == losses(tmp_path / "reference") and [s for s, _ in losses(tmp_path / "run")] == list(range(12))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == sorted(os.listdir(tmp_path / "reference" / "checkpoints")) == \
+        ["0000000004", "0000000008", "0000000012"]

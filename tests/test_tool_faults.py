@@ -1,0 +1,145 @@
+"""Faults of the tools around a run (docs/reliability.md): the export never writes into or half
+over an existing output, and sample.py refuses prompts and caches it cannot honour, each with
+one line and nothing on disk changed."""
+
+import dataclasses
+import os
+import sys
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+import sample
+import train
+from checkpoint import Checkpointer
+from config import ConfigError, load_config
+from flat_tokens import write_flat_tokens
+from tokenizer import ByteTokenizer, JsonTokenizer
+from tools import export_hf
+
+
+def snapshot(path) -> dict:
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> str:
+    """A run directory of a tiny bytes-tokenized model: config.yaml and checkpoint 1."""
+    root = tmp_path_factory.mktemp("run")
+    data = str(root / "data.zarr")
+    docs = [np.frombuffer(b"hello world", np.uint8).astype(np.uint32) + 1] * 8
+    write_flat_tokens(data, {"train": docs, "validation": docs[:1]}, {"tokenizer": ByteTokenizer().identity()})
+    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "model.vocab=258",
+                                               "+paths.model_name=run", f"paths.root_working_dir={root}", f"dataset.path={data}"])
+    os.makedirs(root / "run")
+    (root / "run" / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
+    checkpointer = Checkpointer(str(root / "run" / "checkpoints"), cfg.checkpoints)
+    checkpointer.save(1, train.init_state(cfg, train.make_mesh(4, 2)))
+    checkpointer.close()
+    return str(root / "run")
+
+
+def one_error_line(capsys, call) -> str:
+    with pytest.raises(SystemExit) as exit:
+        call()
+    assert exit.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("seqax: error: "), lines
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/export_hf.py
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_export_refuses_an_existing_output(run_dir, tmp_path, capsys, kind):
+    output = tmp_path / "hf"
+    if kind == "directory":
+        output.mkdir()
+        (output / "tokenizer.json").write_text("{}")
+    else:
+        output.write_text("mine")
+    before = snapshot(tmp_path)
+    line = one_error_line(capsys, lambda: export_hf.main(["--run-dir", run_dir, "--output", str(output)]))
+    assert line == f"seqax: error: --output '{output}' exists; pass --overwrite to replace it, or choose another --output"
+    assert snapshot(tmp_path) == before and (output.is_dir() == (kind == "directory"))
+
+
+@pytest.mark.parametrize("kind", ["directory", "file"])
+def test_export_overwrite_replaces_the_old_output_whole(run_dir, tmp_path, kind):
+    output = tmp_path / "hf"
+    if kind == "directory":
+        output.mkdir()
+        (output / "tokenizer.json").write_text("{}")  # the previous export's, for another dataset
+    else:
+        output.write_text("mine")
+    export_hf.main(["--run-dir", run_dir, "--output", str(output), "--overwrite"])
+    assert sorted(os.listdir(output)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert os.listdir(tmp_path) == ["hf"]  # no temporary or old directory left
+
+
+def test_an_interrupted_export_leaves_nothing(run_dir, tmp_path, monkeypatch):
+    output = tmp_path / "hf"
+    output.mkdir()
+    (output / "config.json").write_text("old")
+    before = snapshot(tmp_path)
+
+    def interrupted(path, value):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_hf, "write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf.main(["--run-dir", run_dir, "--output", str(output), "--overwrite"])
+    assert snapshot(tmp_path) == before and os.listdir(tmp_path) == ["hf"]
+
+
+def test_export_without_safetensors_is_one_line_with_the_install_command(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as when not installed
+    monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+    line = one_error_line(capsys, lambda: export_hf.main(["--run-dir", run_dir, "--output", str(tmp_path / "hf")]))
+    assert "safetensors, which is not installed: .venv/bin/pip install -r requirements-dev.txt" in line
+    assert os.listdir(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# sample.py
+
+
+def test_sample_refuses_invalid_utf8(run_dir, capsys):
+    prompt = b"caf\xe9".decode("utf-8", errors="surrogateescape")  # how Python hands such argv bytes over
+    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", prompt]))
+    assert line == "seqax: error: --prompt is not valid UTF-8 (byte 0xe9 at character 3); pass UTF-8 text"
+
+
+def test_sample_refuses_a_prompt_its_tokenizer_cannot_encode():
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, " ": 3}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")  # a token per character
+    model.decoder = tokenizers.decoders.Fuse()
+    tokenizer = JsonTokenizer(model.to_str(), "test")
+    assert sample.encode_prompt(tokenizer, "ab ba") == [2, 3, 4, 3, 2]  # id + 1
+    with pytest.raises(ConfigError, match=r"--prompt character 'é' \(U\+00E9, at 3\) cannot be encoded by the run's tokenizer; leave it out"):
+        sample.encode_prompt(tokenizer, "ab é")
+
+
+def test_sample_refuses_a_kv_cache_larger_than_free_memory(run_dir, capsys):
+    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", "hi", "--max-new-tokens", "1000000000"]))
+    assert "the KV cache of 4 samples x 1000000002 positions needs 476.84 GiB, more than the" in line and "GiB free on cpu; lower --max-new-tokens" in line
+
+
+def test_sample_with_a_dataset_that_does_not_exist_is_one_line(run_dir, capsys):
+    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--dataset", "/nonexistent/data.zarr"]))
+    assert line == "seqax: error: dataset '/nonexistent/data.zarr' (for its tokenizer) does not exist; pass --dataset PATH of the run's flat-tokens dataset"
+
+
+def test_sample_still_generates(run_dir, capsys):
+    sample.main(["--run-dir", run_dir, "--prompt", "hello", "--max-new-tokens", "3", "--temperature", "0"])
+    assert capsys.readouterr().out.startswith("--- sample 0\nhello")
