@@ -68,8 +68,30 @@ def hf_config(h, max_positions: int, eos_id: int | None) -> dict:
     }
 
 
+def shifted_post_processor(processor: dict | None) -> dict | None:
+    """A tokenizer.json post_processor with the ids of the special tokens it adds shifted by
+    one, for every kind the tokenizers library has; any other kind is a TokenizerError."""
+    if processor is None:
+        return None
+    kind = processor.get("type")
+    if kind == "TemplateProcessing":  # special_tokens: {name: {"id", "ids": [...], "tokens"}}
+        for special in (processor.get("special_tokens") or {}).values():
+            special["ids"] = [i + 1 for i in special.get("ids", [])]
+    elif kind in ("BertProcessing", "RobertaProcessing"):  # sep and cls: [token, id]
+        for field in ("sep", "cls"):
+            token, token_id = processor[field]
+            processor[field] = [token, token_id + 1]
+    elif kind == "Sequence":
+        processor["processors"] = [shifted_post_processor(p) for p in processor.get("processors") or []]
+    elif kind != "ByteLevel":  # ByteLevel only trims offsets: no ids
+        raise TokenizerError(f"tokenizer post_processor type {kind!r} is not one the export can shift ids of "
+                             "(TemplateProcessing, BertProcessing, RobertaProcessing, ByteLevel, Sequence)")
+    return processor
+
+
 def shifted_tokenizer_json(text: str) -> dict:
-    """The tokenizer.json with every id + 1 and BOS_TOKEN at id 0 (seqax's ids)."""
+    """The tokenizer.json with every id + 1 and BOS_TOKEN at id 0 (seqax's ids): the model's
+    vocabulary, the added tokens, the special tokens of the post-processor and the padding id."""
     tok = json.loads(text)
     model = tok["model"]
     if isinstance(model.get("vocab"), dict):  # BPE, WordPiece, WordLevel
@@ -83,8 +105,9 @@ def shifted_tokenizer_json(text: str) -> dict:
     added = [{**t, "id": t["id"] + 1} for t in tok.get("added_tokens") or []]
     tok["added_tokens"] = [{"id": 0, "content": BOS_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
                             "normalized": False, "special": True}, *added]
-    for special in ((tok.get("post_processor") or {}).get("special_tokens") or {}).values():
-        special["ids"] = [i + 1 for i in special.get("ids", [])]
+    tok["post_processor"] = shifted_post_processor(tok.get("post_processor"))
+    if (tok.get("padding") or {}).get("pad_id") is not None:
+        tok["padding"]["pad_id"] += 1
     return tok
 
 

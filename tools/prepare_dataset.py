@@ -21,7 +21,10 @@ or a `tokenizers` tokenizer.json. Ids are stored +1 (0 is the model's begin-of-d
 Validation: document number i (counting from 0 in input order) goes to validation when its
 keyed hash blake2b("<seed>:<i>") falls in the lowest --validation-fraction of the hash range,
 or, with --validation-documents N, when it is among the N documents with the lowest hashes. The
-choice depends only on the seed and the document's position, not on the tokenizer.
+choice depends only on the seed and the document's position, not on the tokenizer. With
+--validation-inputs FILE... instead, validation is every document of those files (text, jsonl or
+parquet, as inputs are read; --max-tokens does not cut them) and train every document of the
+inputs: no validation document comes from the inputs, and no file may be in both.
 
 Tokenization runs in --workers processes (default: all cores; 1: in this process) with a
 progress bar in tokens/s.
@@ -122,13 +125,32 @@ def hf_documents(args) -> Iterator[str]:
         yield record[args.text_field]
 
 
-def documents(args) -> Iterator[str]:
-    if args.hf_dataset:
+def documents(args, files: list[str] | None = None) -> Iterator[str]:
+    """The non-empty documents of `files` (default: the inputs, or --hf-dataset)."""
+    if files is None and args.hf_dataset:
         source = hf_documents(args)
     else:
-        files = find_files(args.inputs, tuple(args.suffixes.split(",")), args.exclude)
+        files = input_files(args, args.inputs) if files is None else files
         source = itertools.chain.from_iterable(file_documents(f, args.txt_documents, args.text_field) for f in files)
     return (d for d in source if d)
+
+
+def input_files(args, inputs: list[str]) -> list[str]:
+    return find_files(inputs, tuple(args.suffixes.split(",")), args.exclude)
+
+
+def validation_files(args) -> list[str] | None:
+    """The files of --validation-inputs (None without it); none may also be a training input."""
+    if not args.validation_inputs:
+        return None
+    files = input_files(args, args.validation_inputs)
+    if not files:
+        raise DatasetError(f"--validation-inputs {args.validation_inputs} match no files (with --suffixes {args.suffixes!r} and --exclude)")
+    training = set() if args.hf_dataset else {os.path.realpath(f) for f in input_files(args, args.inputs)}
+    both = [f for f in files if os.path.realpath(f) in training]
+    if both:
+        raise DatasetError(f"{both[0]!r} is both a training input and a --validation-inputs file; validation documents must not come from the inputs")
+    return files
 
 
 def text_batches(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -202,6 +224,7 @@ def check_output_apart(inputs: list[str], output: str):
 def prepare(args) -> dict:
     check_output_apart(args.inputs, args.output)
     tokenizer = load_tokenizer(args.tokenizer, eos=not args.no_eos, eos_token=args.eos_token)
+    held_out = validation_files(args)
     start, total = time.perf_counter(), 0
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds zarr's threads
     with FlatTokensWriter(args.output, overwrite=args.overwrite, chunk_tokens=args.chunk_tokens, shard_tokens=args.shard_tokens or None,
@@ -209,9 +232,15 @@ def prepare(args) -> dict:
             context.Pool(args.workers, initializer=_start_worker, initargs=(tokenizer.spec(),)) if args.workers > 1 else contextlib.nullcontext() as pool:
         from tqdm import tqdm
 
-        splitter = Splitter(writer, args.seed, args.validation_fraction, args.validation_documents)
+        # With --validation-inputs, the inputs all go to train (fraction 0) and those files to validation.
+        splitter = Splitter(writer, args.seed, 0.0 if held_out else args.validation_fraction, args.validation_documents)
         progress = tqdm(total=args.max_tokens, unit="tok", unit_scale=True, disable=args.quiet, file=sys.stderr)
-        encoded = pool.imap(_encode, text_batches(documents(args))) if pool else map(tokenizer.encode, text_batches(documents(args)))
+        encode = (lambda docs: pool.imap(_encode, text_batches(docs))) if pool else (lambda docs: map(tokenizer.encode, text_batches(docs)))
+        # Validation files first: a --max-tokens stop of the inputs below leaves their batches queued.
+        for docs in encode(documents(args, held_out)) if held_out else []:
+            writer.add_documents("validation", docs)
+            progress.update(sum(len(d) for d in docs))
+        encoded = encode(documents(args))
         for docs in encoded:
             if args.max_tokens is not None:
                 room = np.cumsum([0] + [len(d) for d in docs])
@@ -230,14 +259,15 @@ def prepare(args) -> dict:
         splitter.finish()
         for name in ("train", "validation"):
             if writer.num_documents[name] == 0:
-                raise DatasetError(f"the {name} split would be empty ({splitter.index} documents in all); change --validation-fraction or -documents")
+                fix = "the --validation-inputs files hold no documents" if held_out else "change --validation-fraction or -documents"
+                raise DatasetError(f"the {name} split would be empty ({splitter.index} input documents in all); {fix}")
         info = {"train_tokens": writer.num_tokens["train"], "validation_tokens": writer.num_tokens["validation"],
                 "train_documents": writer.num_documents["train"], "validation_documents": writer.num_documents["validation"]}
         source = {"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split} if args.hf_dataset else {"inputs": args.inputs}
         if tokenizer.kind == "tokenizers":
             writer.add_bytes("tokenizer_json", tokenizer.json_text.encode())
-        writer.commit({"tokenizer": tokenizer.identity(), "source": source, "validation": {"seed": args.seed, "fraction": args.validation_fraction,
-                                                                                            "documents": args.validation_documents}, **info})
+        validation = {"inputs": held_out} if held_out else {"seed": args.seed, "fraction": args.validation_fraction, "documents": args.validation_documents}
+        writer.commit({"tokenizer": tokenizer.identity(), "source": source, "validation": validation, **info})
     seconds = time.perf_counter() - start
     return {**info, "seconds": seconds, "tokens_per_second": total / seconds, "max_token_id": writer.max_token_id, "vocab_size": tokenizer.vocab_size}
 
@@ -258,10 +288,11 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", default="bytes", help="`bytes`, a tokenizer.json path, or a hub name when online")
     p.add_argument("--eos-token", help="a token of the tokenizer.json appended to every document")
     p.add_argument("--no-eos", action="store_true", help="append no end-of-document token")
-    p.add_argument("--validation-fraction", type=float, default=0.01, help="fraction of documents for validation (by keyed hash)")
+    p.add_argument("--validation-fraction", type=float, help="fraction of documents for validation (by keyed hash; default 0.01)")
     p.add_argument("--validation-documents", type=int, help="instead, exactly this many documents for validation")
+    p.add_argument("--validation-inputs", nargs="+", metavar="FILE", help="instead, every document of these files (or directories, patterns) for validation")
     p.add_argument("--seed", type=int, default=0, help="key of the validation choice")
-    p.add_argument("--max-tokens", type=int, help="stop after this many tokens (both splits)")
+    p.add_argument("--max-tokens", type=int, help="stop after this many tokens of the inputs (both splits; not the --validation-inputs)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
     p.add_argument("--chunk-tokens", type=int, default=1 << 16, help="zarr chunk (the unit of compression and of a random read)")
     p.add_argument("--shard-tokens", type=int, default=1 << 22, help="zarr shard (one file; a multiple of --chunk-tokens; 0: no sharding)")
@@ -270,6 +301,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if bool(args.inputs) == bool(args.hf_dataset):
         p.error("give INPUT files or --hf-dataset, not both and not neither")
+    if sum(x is not None for x in (args.validation_fraction, args.validation_documents, args.validation_inputs)) > 1:
+        p.error("give at most one of --validation-fraction, --validation-documents and --validation-inputs")
+    args.validation_fraction = 0.01 if args.validation_fraction is None else args.validation_fraction
     if not 0 <= args.validation_fraction < 1 or (args.validation_documents is not None and args.validation_documents < 1):
         p.error("--validation-fraction must be in [0, 1) and --validation-documents positive")
     if args.max_tokens is not None and args.max_tokens < 1 or args.workers < 1:

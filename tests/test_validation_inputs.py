@@ -1,0 +1,100 @@
+"""tools/prepare_dataset.py --validation-inputs: the validation split is exactly the documents of
+the given files (text, jsonl and parquet alike), and train exactly those of the inputs."""
+
+import json
+import os
+
+import pytest
+
+from flat_tokens import open_flat_tokens
+from tokenizer import dataset_tokenizer
+from tools import prepare_dataset
+
+TRAIN = [f"training document {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(12)]
+HELD_OUT = {  # validation documents by input format
+    "txt": ["a held-out text file, one document"],
+    "jsonl": ["held-out jsonl line one", "held-out jsonl line two, naïve café"],
+    "parquet": ["held-out parquet row one", "held-out parquet row two", "日本語の検証"],
+}
+
+
+def decoded(path: str) -> dict[str, list[str]]:
+    dataset, tokenizer = open_flat_tokens(path), dataset_tokenizer(path)
+    out = {}
+    for name, split in dataset.splits.items():
+        starts, tokens = split.seq_starts[:].astype(int), split.encoded_tokens[:] >> 1
+        out[name] = [tokenizer.decode(tokens[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    return out
+
+
+def write_files(folder) -> tuple[list[str], list[str]]:
+    """(training inputs, validation files): TRAIN as text files in one folder; HELD_OUT in one
+    file of each format in another."""
+    import pyarrow
+    import pyarrow.parquet
+
+    train_dir, held_dir = folder / "train", folder / "held"
+    train_dir.mkdir()
+    held_dir.mkdir()
+    for i, d in enumerate(TRAIN):
+        (train_dir / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+    (held_dir / "a.txt").write_text(HELD_OUT["txt"][0], encoding="utf-8")
+    (held_dir / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in HELD_OUT["jsonl"]), encoding="utf-8")
+    pyarrow.parquet.write_table(pyarrow.table({"text": HELD_OUT["parquet"]}), str(held_dir / "c.parquet"))
+    return [str(train_dir)], [str(held_dir / name) for name in ("a.txt", "b.jsonl", "c.parquet")]
+
+
+def run(argv):
+    prepare_dataset.main(argv + ["--quiet"])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_validation_split_is_exactly_the_validation_inputs(tmp_path, workers):
+    inputs, held = write_files(tmp_path)
+    out = str(tmp_path / "out.zarr")
+    run(inputs + ["--validation-inputs", *held, "--output", out, "--workers", str(workers)])
+    splits = decoded(out)
+    assert splits["validation"] == HELD_OUT["txt"] + HELD_OUT["jsonl"] + HELD_OUT["parquet"]
+    assert splits["train"] == TRAIN
+    assert open_flat_tokens(out).attrs["validation"] == {"inputs": held}
+
+
+def test_max_tokens_cuts_the_inputs_not_the_validation_files(tmp_path):
+    inputs, held = write_files(tmp_path)
+    out = str(tmp_path / "out.zarr")
+    run(inputs + ["--validation-inputs", *held, "--output", out, "--workers", "1", "--max-tokens", str(len(TRAIN[0]) + 1 + 3)])  # + 1: its end-of-document id
+    splits = decoded(out)
+    assert splits["validation"] == HELD_OUT["txt"] + HELD_OUT["jsonl"] + HELD_OUT["parquet"]
+    assert splits["train"] == [TRAIN[0], TRAIN[1][:3]]
+
+
+def one_error(argv, capsys) -> str:
+    """The error line of a run that stops with exit status 2 (argparse's comes after its usage)."""
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv + ["--workers", "1"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert "error: " in lines[-1]
+    return lines[-1]
+
+
+def test_a_file_in_both_is_refused(tmp_path, capsys):
+    inputs, held = write_files(tmp_path)
+    both = os.path.join(inputs[0], "doc03.txt")
+    line = one_error(inputs + ["--validation-inputs", held[0], both, "--output", str(tmp_path / "out.zarr")], capsys)
+    assert line.startswith("prepare_dataset: error: ") and "doc03.txt" in line and "both" in line
+    assert not os.path.exists(tmp_path / "out.zarr")
+
+
+def test_validation_inputs_exclude_the_other_validation_choices(tmp_path, capsys):
+    inputs, held = write_files(tmp_path)
+    line = one_error(inputs + ["--validation-inputs", *held, "--validation-documents", "2", "--output", str(tmp_path / "out.zarr")], capsys)
+    assert "at most one of" in line
+
+
+def test_empty_validation_files_are_one_error(tmp_path, capsys):
+    inputs, _ = write_files(tmp_path)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    line = one_error(inputs + ["--validation-inputs", str(empty), "--output", str(tmp_path / "out.zarr")], capsys)
+    assert line.startswith("prepare_dataset: error: ") and "validation split would be empty" in line
