@@ -11,7 +11,7 @@ import numpy as np
 import config
 import train
 from config import load_config
-from shardlib.shardtypes import make_shardings
+from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 from tools import prepare_dataset
 from tools.launch_local import free_port
 from tools.write_synthetic_dataset import main as write_synthetic_dataset
@@ -67,6 +67,18 @@ def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.nda
 def put_batch(mesh, batch):
     """Host arrays [B, L] on `mesh`, rows split over d as the loader places them."""
     return jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
+
+
+def forward_logits(h: config.ModelConfig):
+    """train.forward jitted on the mesh set with jax.set_mesh: (weights, inputs [B, L],
+    is_seq_start [B, L]) -> next-token logits [B, L, V]."""
+
+    @jax.jit
+    @typed_shard_map
+    def logits(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+        return train.forward(h, w, inputs, is_seq_start)
+
+    return logits
 
 
 def perturbed_weights(h: config.Config) -> train.Model:

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 import train
 from checkpoint import Checkpointer
-from fixtures import make_mesh, perturbed_weights, prepared_dataset, tiny_config
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from fixtures import forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
+from shardlib.shardtypes import make_shardings
 from tokenizer import dataset_tokenizer
 from tools import export_hf
 
@@ -58,14 +58,8 @@ def seqax_logits(h, weights, inputs: np.ndarray) -> np.ndarray:
     mesh = make_mesh(4, 2)
     starts = np.zeros(inputs.shape, bool)
     starts[:, 0] = True
-
-    @jax.jit
-    @typed_shard_map
-    def logits_of(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
-        return train.forward(h.model, w, inputs, is_seq_start)
-
     with jax.set_mesh(mesh):
-        return np.asarray(logits_of(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
+        return np.asarray(forward_logits(h.model)(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
 
 
 def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):

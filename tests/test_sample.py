@@ -15,8 +15,8 @@ import config
 import runs
 import sample
 import train
-from fixtures import ROOT, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from fixtures import ROOT, forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
+from shardlib.shardtypes import make_shardings
 
 PROMPTS = [[], [5, 17, 3], [200, 9, 9, 41, 77, 130, 2, 8, 250, 64, 11]]
 NEW_TOKENS = 6
@@ -36,12 +36,7 @@ def greedy_without_cache(h: config.ModelConfig, weights, mesh, prompt: list[int]
     length = -(-(len(prompt) + 1 + steps) // h.attention_block) * h.attention_block  # whole attention blocks
     starts = np.zeros((d, length), bool)
     starts[:, 0] = True
-
-    @jax.jit
-    @typed_shard_map
-    def logits_of(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
-        return train.forward(h, w, inputs, is_seq_start)
-
+    logits_of = forward_logits(h)
     sequence = [0, *prompt]
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))
