@@ -4,8 +4,9 @@ The whole suite runs in one process, so every test must leave that process as it
 mesh still set, no profiler trace still running, no thread it started still alive, no function
 of ours or of JAX replaced, no signal handler, environment variable, working directory or JAX
 option changed. The check after each test (and after each module, for module fixtures) turns a
-leak into an error of the test that leaked, instead of a crash of a later one. Each module's
-compiled programs are dropped after it, so that the process does not accumulate them."""
+leak into an error of the test that leaked, instead of a crash of a later one, and puts back
+what it can. Each module's compiled programs are dropped after it, so that the process does not
+accumulate them (a profile, for one, holds every live program)."""
 
 import gc
 import os
@@ -25,6 +26,8 @@ THREAD_EXIT_SECONDS = 5  # how long a test's threads may take to finish after it
 # Threads that a library starts on first use and keeps for the life of the process: zarr's event
 # loop and the workers of that loop's default executor, tqdm's monitor of progress bars.
 LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
+# Environment variables that pytest or a library sets for itself (torch, on import).
+OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 # Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
 PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
 
@@ -53,12 +56,13 @@ def functions() -> dict:
 
 def process_state() -> dict:
     return {
-        "environment variables": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"},
+        "environment variables": {k: v for k, v in os.environ.items() if k not in OWN_VARIABLES},
         "working directory": os.getcwd(),
         "SIGTERM handler": signal.getsignal(signal.SIGTERM),
         "SIGINT handler": signal.getsignal(signal.SIGINT),
         "JAX options": dict(jax.config.values),
         "functions": functions(),
+        "mesh": jax.sharding.get_mesh(),
     }
 
 
@@ -66,12 +70,30 @@ def changes(before: dict, after: dict) -> list[str]:
     found = []
     for what, value in before.items():
         if isinstance(value, dict):
-            # A key that appears later is a module imported meanwhile, not a change.
-            keys = sorted(k for k in value if after[what].get(k) is not value[k] and after[what].get(k) != value[k])
-            found += [f"{what}: {k} was {value[k]!r}, is {after[what].get(k)!r}" for k in keys]
+            # A function that appears later is in a module imported meanwhile, not a change.
+            keys = value.keys() if what == "functions" else value.keys() | after[what].keys()
+            changed = sorted(k for k in keys if after[what].get(k) is not value.get(k) and after[what].get(k) != value.get(k))
+            found += [f"{what}: {k} was {value.get(k)!r}, is {after[what].get(k)!r}" for k in changed]
         elif value != after[what]:
-            found.append(f"{what} was {value!r}, is {after[what]!r}")
+            found.append(f"{what} was {value!r}, is {after[what]!r}" + (" (use `with jax.set_mesh(mesh):`)" if what == "mesh" else ""))
     return found
+
+
+def restore(state: dict):
+    """Puts back what process_state() recorded, so that one leak fails one test, not every later one."""
+    own = {k: v for k, v in os.environ.items() if k in OWN_VARIABLES}
+    os.environ.clear()
+    os.environ.update(state["environment variables"], **own)
+    os.chdir(state["working directory"])
+    signal.signal(signal.SIGTERM, state["SIGTERM handler"])
+    signal.signal(signal.SIGINT, state["SIGINT handler"])
+    for name, value in state["JAX options"].items():
+        if jax.config.values.get(name) != value:
+            jax.config.update(name, value)
+    for name, value in state["functions"].items():
+        module, attribute = name.rsplit(".", 1)
+        setattr(sys.modules[module], attribute, value)
+    jax.set_mesh(state["mesh"])
 
 
 def threads_left(before: set) -> list[threading.Thread]:
@@ -86,8 +108,8 @@ def threads_left(before: set) -> list[threading.Thread]:
 
 def check_unchanged(threads: set, state: dict, who: str):
     problems = changes(state, process_state())
-    if not jax.sharding.get_abstract_mesh().empty:
-        problems.append(f"a mesh is still set: {jax.sharding.get_abstract_mesh()} (use `with jax.set_mesh(mesh):`)")
+    if problems:
+        restore(state)
     try:
         jax.profiler.stop_trace()
         problems.append("a profiler trace was still running (now stopped)")
