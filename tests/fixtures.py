@@ -90,21 +90,22 @@ def perturbed_weights(h: config.Config) -> train.Model:
     return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
 
 
-def random_state(h: config.Config, mesh) -> train.State:
-    """A state with every leaf drawn at random (Adam's second moment positive), on `mesh`."""
-    rng = np.random.default_rng(0)
-    shapes, shardings = jax.eval_shape(lambda: train.init_state(h, mesh)), make_shardings(train.State, mesh)
-
-    def draw(positive):
-        return lambda s, sharding: jax.device_put(((np.abs if positive else np.asarray)(0.05 * rng.standard_normal(s.shape))).astype(np.float32), sharding)
-
-    return train.State(*(jax.tree.map(draw(part == "adam_nu"), getattr(shapes, part), getattr(shardings, part)) for part in ("weights", "adam_mu", "adam_nu")))
-
-
 def abstract_state(h: config.Config, mesh) -> train.State:
     """The state's shapes, dtypes and shardings on `mesh`, without any array."""
     state = jax.eval_shape(lambda: train.init_state(h, mesh))
     return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state, make_shardings(train.State, mesh))
+
+
+def random_state(h: config.Config, mesh) -> train.State:
+    """A state with every leaf drawn at random (Adam's second moment positive), on `mesh`."""
+    rng = np.random.default_rng(0)
+    state = abstract_state(h, mesh)
+
+    def draw(part: str):
+        positive = np.abs if part == "adam_nu" else np.asarray
+        return jax.tree.map(lambda s: jax.device_put(positive(0.05 * rng.standard_normal(s.shape)).astype(np.float32), s.sharding), getattr(state, part))
+
+    return train.State(draw("weights"), draw("adam_mu"), draw("adam_nu"))
 
 
 # ---------------------------------------------------------------------------------------------
