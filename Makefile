@@ -6,7 +6,7 @@ RUN ?= local_synthetic
 
 TEXT_RUN ?= local_text
 
-.PHONY: train train-text test lint clean
+.PHONY: train train-text test test-fast lint clean
 
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,13 @@ train-text: $(VENV)/.installed text_dataset.zarr
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 
+# Everything: lint and every test (CI runs this).
 test: lint
 	$(VENV)/bin/python -m pytest -q tests
+
+# The edit-test loop: lint and the tests not marked slow, in under two minutes on two cores.
+test-fast: lint
+	$(VENV)/bin/python -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) synthetic_dataset.zarr text_dataset.zarr runs

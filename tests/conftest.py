@@ -1,7 +1,137 @@
-"""Tests run on 8 simulated CPU devices; this must happen before jax is imported."""
+"""Tests run on 8 simulated CPU devices; this must happen before jax is imported.
 
+The whole suite runs in one process, so every test must leave that process as it found it: no
+mesh still set, no profiler trace still running, no thread it started still alive, no function
+of ours or of JAX replaced, no signal handler, environment variable, working directory or JAX
+option changed. The check after each test (and after each module, for module fixtures) turns a
+leak into an error of the test that leaked, instead of a crash of a later one, and puts back
+what it can. Each module's compiled programs are dropped after it, so that the process does not
+accumulate them (a profile, for one, holds every live program)."""
+
+import gc
 import os
+import signal
 import sys
+import threading
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+THREAD_EXIT_SECONDS = 5  # how long a test's threads may take to finish after it returns
+# Threads that a library starts on first use and keeps for the life of the process: zarr's event
+# loop and the workers of that loop's default executor, tqdm's monitor of progress bars.
+LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
+# Environment variables that pytest or a library sets for itself (torch, on import).
+OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
+PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
+
+# tests/test_bench.py is another owner's file: until it marks its own, its tests that start
+# benchmark processes (over 3 s each on two cores) are marked slow here, by name.
+SLOW_BENCH_TESTS = {
+    "test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row", "test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config",
+    "test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure", "test_gpu_sh_fails_fast_without_a_gpu",
+    "test_compare_commits_times_a_commit_against_this_checkout", "test_compare_commits_names_a_commit_that_does_not_exist",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.path.name == "test_bench.py" and item.originalname in SLOW_BENCH_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
+def functions() -> dict:
+    """Every function and class of our modules and of PATCHED_MODULES, by where it is reached."""
+    ours = [m for name, m in list(sys.modules.items()) if getattr(m, "__file__", None) and m.__file__.startswith(ROOT + os.sep)
+            and f"{os.sep}tests{os.sep}" not in m.__file__ and f"{os.sep}.venv{os.sep}" not in m.__file__]
+    modules = ours + [sys.modules[name] for name in PATCHED_MODULES if name in sys.modules]
+    return {f"{m.__name__}.{k}": v for m in modules for k, v in list(vars(m).items()) if callable(v) or isinstance(v, type)}
+
+
+def process_state() -> dict:
+    return {
+        "environment variables": {k: v for k, v in os.environ.items() if k not in OWN_VARIABLES},
+        "working directory": os.getcwd(),
+        "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+        "JAX options": dict(jax.config.values),
+        "functions": functions(),
+        "mesh": jax.sharding.get_mesh(),
+    }
+
+
+def changes(before: dict, after: dict) -> list[str]:
+    found = []
+    for what, value in before.items():
+        if isinstance(value, dict):
+            # A function that appears later is in a module imported meanwhile, not a change.
+            keys = value.keys() if what == "functions" else value.keys() | after[what].keys()
+            changed = sorted(k for k in keys if after[what].get(k) is not value.get(k) and after[what].get(k) != value.get(k))
+            found += [f"{what}: {k} was {value.get(k)!r}, is {after[what].get(k)!r}" for k in changed]
+        elif value != after[what]:
+            found.append(f"{what} was {value!r}, is {after[what]!r}" + (" (use `with jax.set_mesh(mesh):`)" if what == "mesh" else ""))
+    return found
+
+
+def restore(state: dict):
+    """Puts back what process_state() recorded, so that one leak fails one test, not every later one."""
+    own = {k: v for k, v in os.environ.items() if k in OWN_VARIABLES}
+    os.environ.clear()
+    os.environ.update(state["environment variables"], **own)
+    os.chdir(state["working directory"])
+    signal.signal(signal.SIGTERM, state["SIGTERM handler"])
+    signal.signal(signal.SIGINT, state["SIGINT handler"])
+    for name, value in state["JAX options"].items():
+        if jax.config.values.get(name) != value:
+            jax.config.update(name, value)
+    for name, value in state["functions"].items():
+        module, attribute = name.rsplit(".", 1)
+        setattr(sys.modules[module], attribute, value)
+    jax.set_mesh(state["mesh"])
+
+
+def threads_left(before: set) -> list[threading.Thread]:
+    """The threads started since `before` that are still alive after a grace period."""
+    deadline = time.monotonic() + THREAD_EXIT_SECONDS
+    while True:
+        alive = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.name.startswith(LIBRARY_THREADS)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
+
+
+def check_unchanged(threads: set, state: dict, who: str):
+    problems = changes(state, process_state())
+    if problems:
+        restore(state)
+    try:
+        jax.profiler.stop_trace()
+        problems.append("a profiler trace was still running (now stopped)")
+    except RuntimeError:  # "No profile started": the state we want
+        pass
+    problems += [f"thread {t.name!r} is still running (close what started it)" for t in threads_left(threads)]
+    if problems:
+        pytest.fail(f"{who} left the process changed:\n  " + "\n  ".join(problems), pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def module_leaves_the_process_as_it_found_it():
+    """The same for what a module's fixtures start and stop (set up before the module's tests)."""
+    threads, state = set(threading.enumerate()), process_state()
+    yield
+    check_unchanged(threads, state, "the module's fixtures")
+    jax.clear_caches()  # the next module compiles what it needs; nothing piles up over ~250 tests
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_process_as_it_found_it():
+    threads, state = set(threading.enumerate()), process_state()
+    yield
+    check_unchanged(threads, state, "the test")

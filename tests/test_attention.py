@@ -8,7 +8,7 @@ import pytest
 import attention
 import train
 from config import ConfigError
-from model_fixtures import make_mesh, tiny_config
+from fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import f32, typed_shard_map, u32
 
 B, L, Q, K, D = 4, 64, 2, 4, 16
@@ -27,13 +27,33 @@ def inputs(seed: int, dtype, common_starts=()):
     starts[0, 1:] = False
     starts[1, 20] = True
     starts[:, list(common_starts)] = True
-    doc_start = jnp.asarray(np.maximum.accumulate(np.where(starts, np.arange(L), 0), axis=1), jnp.uint32)  # where each document starts
-    return q, k, v, doc_start
+    return q, k, v, document_starts(starts)
+
+
+def document_starts(starts: np.ndarray) -> jax.Array:
+    """Where the document of each token starts, from the positions [B, L] that start one."""
+    return jnp.asarray(np.maximum.accumulate(np.where(starts, np.arange(L), 0), axis=1), jnp.uint32)
 
 
 def dense(q, k, v, doc_start):
-    mask = (doc_start[:, :, None] == doc_start[:, None, :]) & jnp.tril(jnp.ones((L, L), bool))
-    return attention.dense_attention(q, k, v, mask)
+    position = jnp.arange(L)
+    return attention.dense_attention(q, k, v, attention.causal_document_mask(position, position, doc_start, doc_start))
+
+
+def test_causal_document_mask_on_a_small_example():
+    """Six tokens, a second document starting at position 3: each query sees itself and the
+    earlier tokens of its own document, nothing else."""
+    position = jnp.arange(6)
+    doc_start = jnp.asarray([[0, 0, 0, 3, 3, 3]], jnp.uint32)
+    expected = [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 1, 1, 1],
+    ]
+    np.testing.assert_array_equal(np.asarray(attention.causal_document_mask(position, position, doc_start, doc_start))[0], np.array(expected, bool))
 
 
 def output_and_gradients(attend, q, k, v, doc_start, cotangent):
@@ -67,11 +87,11 @@ def test_key_blocks_before_every_documents_start_are_skipped():
     starts = np.zeros((B, L), bool)
     starts[:, [0, 24, 40]] = True
     starts[1, 50] = True
-    doc_start = jnp.asarray(np.maximum.accumulate(np.where(starts, np.arange(L), 0), axis=1), jnp.uint32)
-    visits = attention.key_blocks_to_visit(attention.to_blocks(doc_start, 8), 8)
+    visits = attention.key_blocks_to_visit(attention.to_blocks(document_starts(starts), 8), 8)
     np.testing.assert_array_equal(np.asarray(visits), [1, 2, 3, 1, 2, 1, 2, 3])
 
 
+@pytest.mark.slow
 def test_blockwise_in_bfloat16_is_as_close_to_exact_as_dense():
     """With the model's bfloat16 operands, blockwise attention is no further from the exact
     (float32) result than dense attention in bfloat16 is, up to a small factor."""
@@ -100,6 +120,7 @@ def test_documents_do_not_see_each_other():
     assert not np.allclose(np.asarray(before[0])[~other], np.asarray(after[0])[~other])
 
 
+@pytest.mark.slow
 def test_blockwise_on_a_mesh_equals_unsharded():
     """Inside shard_map on a 4x2 mesh (batch over d, kv heads over t) the output and the query
     gradient are the unsharded ones (float32, so that only summation order can differ)."""

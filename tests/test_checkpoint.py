@@ -6,11 +6,10 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
+from functools import partial
 
 import google_crc32c
 import jax
@@ -20,17 +19,13 @@ import pytest
 import zarr
 from checkpoint_process import is_spec_pair, put, sample_values
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import sharded_zarr
 import train
 from checkpoint import Checkpointer
 from config import CheckpointConfig, CheckpointError, ConfigError
-from model_fixtures import TINY, make_mesh, random_batch, tiny_config
+from fixtures import make_mesh, put_batch, random_batch, random_state, run_processes, start_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
 from shardlib.shardtypes import make_shardings
-from tools.write_synthetic_dataset import main as write_synthetic_dataset
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def checkpoint_config(**changes) -> CheckpointConfig:
@@ -84,26 +79,15 @@ def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression, monkeypatch):
     assert group["layers.0"].chunks == (2, 8, 2) and group["weights.w"].chunks == (2, 2) and group["count"][()] == 7
 
 
-def random_state(h, mesh) -> train.State:
-    """A state with every leaf drawn at random (Adam's second moment positive), on `mesh`."""
-    rng = np.random.default_rng(0)
-    shapes, shardings = jax.eval_shape(lambda: train.init_state(h, mesh)), make_shardings(train.State, mesh)
-
-    def draw(positive):
-        return lambda s, sharding: jax.device_put(((np.abs if positive else np.asarray)(0.05 * rng.standard_normal(s.shape))).astype(np.float32), sharding)
-
-    return train.State(*(jax.tree.map(draw(part == "adam_nu"), getattr(shapes, part), getattr(shardings, part)) for part in ("weights", "adam_mu", "adam_nu")))
-
-
+@pytest.mark.slow
 def test_restore_on_other_meshes_continues_training(tmp_path):
     """Save a state on 4x2; restore on 8x1, 2x4 and 1x1: the same bits and the same next loss."""
     h = tiny_config()
     host_batch = random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
 
     def next_loss(state, mesh):
-        batch = [jax.device_put(x, NamedSharding(mesh, P("d", None))) for x in host_batch]
         with jax.set_mesh(mesh):
-            return float(train.training_step(state, jnp.uint32(7), *batch, h)[1].loss)
+            return float(train.training_step(state, jnp.uint32(7), *put_batch(mesh, host_batch), h)[1].loss)
 
     mesh = make_mesh(4, 2)
     state = random_state(h, mesh)
@@ -120,21 +104,11 @@ def test_restore_on_other_meshes_continues_training(tmp_path):
     checkpointer.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_two_processes_save_and_restore(tmp_path):
     """Two processes of 4 devices save (each writing its own shards) and restore on 2x4; this
     process then restores the same checkpoint on 8 devices and on 1."""
-    port, script = free_port(), os.path.join(os.path.dirname(__file__), "checkpoint_process.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, script, str(port), "2", str(i), str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for i in range(2)]
-    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
+    run_processes("checkpoint_process.py", 2, str(tmp_path))
     values = sample_values()
     checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     for d, t in [(8, 1), (1, 1)]:
@@ -250,9 +224,15 @@ def test_bad_config_is_refused():
 # Asynchronous saving.
 
 
+def each_write(monkeypatch, wrap):
+    """Every file write of a checkpoint (the jobs of sharded_zarr.write_jobs) runs as `wrap(job)`."""
+    write_jobs = sharded_zarr.write_jobs
+    monkeypatch.setattr(sharded_zarr, "write_jobs", lambda *args, **kw: [[partial(wrap, job) for job in file] for file in write_jobs(*args, **kw)])
+
+
 def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
-    release, write = threading.Event(), sharded_zarr._write_at
-    monkeypatch.setattr(sharded_zarr, "_write_at", lambda *args, **kw: (release.wait(30), write(*args, **kw)))
+    release = threading.Event()
+    each_write(monkeypatch, lambda job: (release.wait(30), job()))
     values = sample_values()
     tree = put(values, make_mesh(4, 2))
     checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
@@ -267,10 +247,10 @@ def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
 
 
 def test_failed_background_write_stops_training(tmp_path, monkeypatch):
-    def fail(*args, **kw):
+    def fail(job):
         raise OSError("no space left on device")
 
-    monkeypatch.setattr(sharded_zarr, "_write_at", fail)
+    each_write(monkeypatch, fail)
     checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
     with pytest.raises(RuntimeError, match="no space left on device"):
@@ -288,13 +268,8 @@ STEPS, INTERVAL = 24, 3
 
 
 def train_process(root, dataset, name, cache, *changes: str) -> subprocess.Popen:
-    changed = tuple(c.split("=")[0] + "=" for c in changes)
-    overrides = [a for a in TINY if not a.startswith(("+paths.model_name", "training.steps", *changed))]
-    command = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}",
-               f"dataset.path={dataset}", *overrides, f"training.steps={STEPS}", f"checkpoint_interval={INTERVAL}", "checkpoints.keep=0", *changes]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    overrides = tiny_overrides(f"training.steps={STEPS}", f"checkpoint_interval={INTERVAL}", "checkpoints.keep=0", *changes)
+    return start_train(train_args(root, dataset, name, *overrides), cache=cache, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def logged(run_dir) -> list[dict]:
@@ -324,9 +299,9 @@ def wait_until(condition, process, what):
         time.sleep(0.001)
 
 
+@pytest.mark.slow
 def test_killed_and_preempted_runs_continue_with_the_same_losses(tmp_path):
-    dataset, cache = str(tmp_path / "data.zarr"), tmp_path / "jax_cache"
-    write_synthetic_dataset(["--output", dataset, "--train-tokens", "300000", "--validation-tokens", "20000"])
+    dataset, cache = synthetic_dataset(tmp_path / "data.zarr", "--train-tokens", "300000", "--validation-tokens", "20000"), tmp_path / "jax_cache"
     reference = train_process(tmp_path, dataset, "reference", cache)
     assert reference.wait(timeout=300) == 0, reference.stderr.read()
     expected = {line["step"]: line["loss"] for line in logged(tmp_path / "reference")}

@@ -1,10 +1,6 @@
 """The shuffling loader: determinism, coverage of an epoch, instant jumps, multi-process assembly."""
 
 import math
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,6 +11,7 @@ import zarr
 
 from config import DatasetConfig, DatasetError
 from data_loader import RowOrder, derive_key, feistel_permute, make_loader
+from fixtures import run_processes
 from flat_tokens import open_flat_tokens, write_flat_tokens
 
 B, L = 8, 16
@@ -230,20 +227,10 @@ def test_prefetch_thread_stops_on_close(dataset, mesh):
     assert not any(t.name.startswith(("seqax-prefetch", "seqax-read")) for t in threading.enumerate())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_two_processes_assemble_the_same_batch(dataset, mesh, tmp_path):
     steps = [0, 5, 40]
-    port, script = free_port(), os.path.join(os.path.dirname(__file__), "loader_process.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, script, str(port), "2", str(i), dataset.path, str(tmp_path)] + [str(s) for s in steps], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs
+    run_processes("loader_process.py", 2, dataset.path, str(tmp_path), *map(str, steps))
     h = DatasetConfig(path=dataset.path, packed=True, seed=3, streams=2, read_block_tokens=64, shuffle_buffer_tokens=1024, prefetch=1)
     single = make_loader(h, dataset, "train", 8, 16, mesh)  # the same settings as loader_process.py, in one process
     gathered = np.load(tmp_path / "batches.npz")

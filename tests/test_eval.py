@@ -2,42 +2,37 @@
 restart on another mesh, and equal to the reference loss (tests/reference.py) of the same
 validation batches."""
 
-import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
-import config
-import train
+import runs
 from data_loader import make_loader
+from fixtures import make_mesh, reference_config, run_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
 from flat_tokens import open_flat_tokens
-from model_fixtures import make_mesh, tiny_config
 from reference import loss as reference_loss
 from reference import weights_to_dicts
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow  # two training runs
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("data") / "synthetic.zarr")
-    cmd = [sys.executable, "-m", "tools.write_synthetic_dataset", "--output", path, "--train-tokens", "20000", "--validation-tokens", "3000"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    return path
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "3000")
 
 
-def config(dataset: str, root, d: int, t: int) -> config.Config:
-    return tiny_config(
-        "model.n_kv=2", f"dataset.path={dataset}", "dataset.streams=1", f"paths.root_working_dir={root}", "paths.model_name=eval",
-        "training.steps=6", "checkpoint_interval=2", "checkpoints.keep=0", "eval_interval=4", "eval_batches=2", f"mesh.d={d}", f"mesh.t={t}",
-    )
+def overrides(d: int, t: int) -> list[str]:
+    return tiny_overrides("model.n_kv=2", "dataset.streams=1", "training.steps=6", "checkpoint_interval=2", "checkpoints.keep=0", "eval_interval=4",
+                          "eval_batches=2", f"mesh.d={d}", f"mesh.t={t}")
+
+
+def train_on(dataset: str, root, d: int, t: int):
+    """`python -m train` on a (d, t) mesh, in a child process (profiler, threads and all)."""
+    result = run_train(train_args(root, dataset, "eval", *overrides(d, t)))
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def eval_lines(run_dir) -> list[dict]:
@@ -45,8 +40,7 @@ def eval_lines(run_dir) -> list[dict]:
 
 
 def test_eval_loss_steps_restart_mesh_and_reference(dataset, tmp_path):
-    h = config(dataset, tmp_path, 4, 2)
-    train.train(h, OmegaConf.to_yaml(dataclasses.asdict(h)))
+    train_on(dataset, tmp_path, 4, 2)
     run_dir = tmp_path / "eval"
     first = eval_lines(run_dir)
     assert [line["step"] for line in first] == [4, 6]  # every eval_interval steps and after the last
@@ -54,19 +48,22 @@ def test_eval_loss_steps_restart_mesh_and_reference(dataset, tmp_path):
     # Restart from checkpoint 2 on another mesh: steps 2..5 run again, and so do both evaluations.
     for step in (4, 6):
         shutil.rmtree(run_dir / "checkpoints" / f"{step:010d}")
-    h8 = config(dataset, tmp_path, 8, 1)
-    state = train.train(h8, OmegaConf.to_yaml(dataclasses.asdict(h8)))
+    train_on(dataset, tmp_path, 8, 1)
     again = eval_lines(run_dir)[2:]
     assert [line["step"] for line in again] == [4, 6]
     for a, b in zip(first, again):
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * abs(a["eval_loss"]), (a, b)
 
     # The final weights' eval_loss is the mean loss of validation batches 0 and 1, by the reference.
-    loader = make_loader(h8.dataset, open_flat_tokens(dataset), "validation", h8.training.tokens.batch, h8.training.tokens.len, make_mesh(8, 1))
+    h8 = tiny_config(f"dataset.path={dataset}", *overrides(8, 1))
+    mesh = make_mesh(8, 1)
+    step, weights = runs.load_weights(str(run_dir), runs.load_run_config(str(run_dir)), mesh)
+    assert step == 6
+    loader = make_loader(h8.dataset, open_flat_tokens(dataset), "validation", h8.training.tokens.batch, h8.training.tokens.len, mesh)
     batches = [jax.device_get(vars(loader.batch(i))) for i in range(2)]
     loader.close()
-    cfg = {k: getattr(h8.model, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
-    weights = weights_to_dicts(jax.device_get(state.weights), h8.model.layers)
+    cfg = reference_config(h8.model)
+    weights = weights_to_dicts(jax.device_get(weights), h8.model.layers)
     losses = [jax.jit(lambda w, b=b: reference_loss(w, cfg, b["targets"], b["is_seq_start"], b["loss_mask"]))(weights) for b in batches]
     expected = float(np.mean(losses))
     assert abs(again[1]["eval_loss"] - expected) <= 1e-4 * expected, (again[1]["eval_loss"], expected)

@@ -3,27 +3,19 @@ logits (torch, CPU, float32) match seqax's forward pass within bfloat16 rounding
 tokenizer encodes to the ids the dataset holds."""
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
-from test_model import perturbed_weights
 
 import train
 from checkpoint import Checkpointer
-from model_fixtures import make_mesh, tiny_config
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from fixtures import forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
+from shardlib.shardtypes import make_shardings
 from tokenizer import dataset_tokenizer
 from tools import export_hf
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "the quick brown fox jumps over the lazy dog. " * 20 + "pack my box with five dozen liquor jugs; sphinx of black quartz, judge my vow."
 
 # seqax multiplies bfloat16 operands (8-bit mantissa, relative rounding 2^-9) with float32 sums;
@@ -31,6 +23,8 @@ TEXT = "the quick brown fox jumps over the lazy dog. " * 20 + "pack my box with 
 # by about 2^-9 x sqrt(number of roundings on its path) x its scale; with logits of size ~1-5 on
 # this tiny model that is a few 1e-2 at most. The bound: 5e-2 + 2e-2 x |logit|.
 ATOL, RTOL = 5e-2, 2e-2
+
+pytestmark = pytest.mark.slow  # a dataset, a checkpoint, an export and torch
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +38,8 @@ def exported(tmp_path_factory):
     tokenizer.save(str(root / "tokenizer.json"))
     (root / "text.txt").write_text(TEXT)
     (root / "more.txt").write_text(TEXT[::-1])
-    data = str(root / "data.zarr")
-    cmd = [sys.executable, "-m", "tools.prepare_dataset", str(root / "text.txt"), str(root / "more.txt"), "--tokenizer", str(root / "tokenizer.json"),
-           "--eos-token", "</s>", "--validation-documents", "1", "--output", data]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), str(root / "more.txt"), "--tokenizer", str(root / "tokenizer.json"),
+                            "--eos-token", "</s>", "--validation-documents", "1")
 
     h = tiny_config("model.n_kv=2", f"dataset.path={data}", f"paths.root_working_dir={root}")
     run_dir = root / "run"
@@ -66,17 +58,14 @@ def seqax_logits(h, weights, inputs: np.ndarray) -> np.ndarray:
     mesh = make_mesh(4, 2)
     starts = np.zeros(inputs.shape, bool)
     starts[:, 0] = True
-
-    @jax.jit
-    @typed_shard_map
-    def logits_of(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
-        return train.forward(h.model, w, inputs, is_seq_start)
-
     with jax.set_mesh(mesh):
-        return np.asarray(logits_of(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
+        return np.asarray(forward_logits(h.model)(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
 
 
 def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
+    import torch  # required (requirements-dev.txt); imported here so that collecting the fast tier does not pay for it
+    import transformers
+
     h, weights, hf_dir, _ = exported
     model, info = transformers.LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True, dtype=torch.float32)
     assert not any(info.values()), info  # missing, unexpected and mismatched keys, errors
@@ -93,6 +82,8 @@ def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
 
 
 def test_exported_tokenizer_encodes_to_the_dataset_ids(exported):
+    import transformers
+
     _, _, hf_dir, data = exported
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     ours = dataset_tokenizer(data)

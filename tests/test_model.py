@@ -10,42 +10,48 @@ from jax import lax
 
 import reference
 import train
-from model_fixtures import make_mesh, random_batch, tiny_config
+from fixtures import make_mesh, perturbed_weights, put_batch, random_batch, reference_config, tiny_config
 from reference import loss as reference_loss
 from reference import weights_to_dicts
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]
+# The tiny model has 2 layers of 8 kv heads, so that every mesh of 8 devices splits its heads.
+# SMALL has 1 layer of 2 kv heads: its reference (a loop over heads) compiles in seconds, for
+# the fast tier; it still splits the batch over d and the heads, d_ff and vocabulary over t=2.
+SMALL = ("model.n_kv=2", "model.layers=1")
 
 
-def perturbed_weights(h) -> train.Model:
-    """Initial weights with norm gains moved off 1, so that their gradients mean something."""
-    w = train.init_weights(h.model, jax.random.key(0))
-    key = jax.random.key(1)
-    bump = lambda x, name: x + 0.2 * jax.random.normal(jax.random.fold_in(key, sum(map(ord, name))), x.shape)  # noqa: E731
-    layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"), "ffn_norm": bump(w.layers.ffn_norm, "f")})
-    return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
+def make_problem(*overrides: str):
+    """(config, weights, batch) of the tiny model changed by `overrides`."""
+    h = tiny_config(*overrides)
+    return h, jax.device_get(perturbed_weights(h)), random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
+
+
+def reference_value_and_grad(h, weights, batch, matmul_dtype) -> tuple[float, dict]:
+    """tests/reference.py's loss and gradients with `matmul_dtype` matmul operands (float32: the exact math)."""
+    cfg = reference_config(h.model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "bf16", matmul_dtype)
+        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, *batch)))(weights_to_dicts(weights, h.model.layers))
+    return float(loss), grads
 
 
 @pytest.fixture(scope="module")
 def problem():
-    h = tiny_config()
-    weights = jax.device_get(perturbed_weights(h))
-    targets, starts, mask = random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
-    cfg = {k: getattr(h.model, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, targets, starts, mask)))(weights_to_dicts(weights, h.model.layers))
-    return h, weights, (targets, starts, mask), float(ref_loss), ref_grads
+    h, weights, batch = make_problem()
+    return h, weights, batch, *reference_value_and_grad(h, weights, batch, jnp.bfloat16)
 
 
 @pytest.fixture(scope="module")
 def exact_reference(problem):
-    """The reference's loss and gradients with float32 matmul operands: the exact math."""
-    h, weights, (targets, starts, mask), *_ = problem
-    cfg = {k: getattr(h.model, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(reference, "bf16", jnp.float32)
-        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, targets, starts, mask)))(weights_to_dicts(weights, h.model.layers))
-    return float(loss), grads
+    return reference_value_and_grad(*problem[:3], jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def small_problem():
+    h, weights, batch = make_problem(*SMALL)
+    return h, weights, batch, *reference_value_and_grad(h, weights, batch, jnp.float32)
 
 
 def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
@@ -56,10 +62,6 @@ def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
         (jax.tree_util.keystr(path), np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r, np.float64)) / np.linalg.norm(np.asarray(r, np.float64)))
         for (path, r), g in zip(flat_ref, flat)
     ]
-
-
-def put_batch(mesh, batch):
-    return jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
 
 
 def sharded_loss_and_grads(h, mesh, weights, batch):
@@ -73,13 +75,10 @@ def sharded_loss_and_grads(h, mesh, weights, batch):
         return jax.device_get(jax.jit(on_device)(w, *put_batch(mesh, batch)))
 
 
-@pytest.mark.parametrize("d,t", MESHES)
-def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact_reference, d, t, monkeypatch):
+def assert_float32_equals_reference(h, weights, batch, exact_loss, exact_grads, d, t, monkeypatch):
     """With float32 matmul operands in both, the sharded model and the reference compute the
     same numbers up to the order of float32 sums: every sharding, mask, RoPE and attention
     block is checked to 1e-4 (bfloat16 rounding would hide errors below ~1e-2)."""
-    h, weights, batch, *_ = problem
-    exact_loss, exact_grads = exact_reference
     monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
     loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, batch)
     assert abs(float(loss) - exact_loss) <= 1e-6 * abs(exact_loss), (float(loss), exact_loss)
@@ -87,6 +86,18 @@ def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact
         assert err < 1e-4, f"gradient {path}: relative L2 error {err:.2e} on mesh {d}x{t}"
 
 
+@pytest.mark.parametrize("d,t", [(1, 1), (4, 2)])
+def test_float32_loss_and_gradients_of_a_small_model_equal_reference(small_problem, d, t, monkeypatch):
+    assert_float32_equals_reference(*small_problem, d, t, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d,t", MESHES)
+def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact_reference, d, t, monkeypatch):
+    assert_float32_equals_reference(*problem[:3], *exact_reference, d, t, monkeypatch)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("d,t", [(1, 1), (2, 4)])
 def test_bfloat16_loss_and_gradients_are_as_accurate_as_reference(problem, exact_reference, d, t):
     """With bfloat16 operands (the training precision) the loss matches the bfloat16 reference to
@@ -104,12 +115,13 @@ def test_bfloat16_loss_and_gradients_are_as_accurate_as_reference(problem, exact
     assert np.mean([err for _, err in ours]) < 1.2 * reference_mean, (ours, reference_mean)
 
 
-def test_reference_loss_is_near_log_vocab_at_init(problem):
+def test_reference_loss_is_near_log_vocab_at_init(small_problem):
     """Guards the reference itself: a broken reference could agree with a broken model."""
-    h, *_, ref_loss, _ = problem
+    h, *_, ref_loss, _ = small_problem
     assert abs(ref_loss - np.log(h.model.vocab)) < 2.0
 
 
+@pytest.mark.slow
 def test_training_step_reports_reference_loss_and_grad_norm(problem):
     h, weights, batch, ref_loss, ref_grads = problem
     ref_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(ref_grads)))

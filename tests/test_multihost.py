@@ -16,42 +16,34 @@ import time
 import pytest
 
 from config import ConfigError, DistributedConfig
-from model_fixtures import TINY
+from fixtures import ROOT, child_env, run_train, synthetic_dataset, tiny_overrides, train_args
 from multihost import resolve
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TINY with 2 kv heads (so that t=2 splits them) and a warmup longer than every run here, so the
 # learning rate of a step does not depend on training.steps and runs of 3 and 4 steps agree.
-OVERRIDES = [a for a in TINY if not a.startswith(("model.n_kv", "training.steps", "training.warmup_steps", "+paths.model_name"))] + [
-    "model.n_kv=2", "training.warmup_steps=10", "eval_batches=0", "checkpoint_interval=3", "checkpoints.keep=0"]
+OVERRIDES = ["model.n_kv=2", "training.warmup_steps=10", "eval_batches=0", "checkpoint_interval=3", "checkpoints.keep=0"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(dataset, environment with a shared compilation cache)."""
+    """(dataset, the folder of the compilation cache that every run here shares)."""
     root = tmp_path_factory.mktemp("multihost")
-    dataset = str(root / "data.zarr")
-    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", dataset, "--train-tokens", "300000", "--validation-tokens", "20000"],
-                   cwd=ROOT, check=True, capture_output=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    return dataset, env
+    dataset = synthetic_dataset(root / "data.zarr", "--train-tokens", "300000", "--validation-tokens", "20000")
+    return dataset, root / "jax_cache"
 
 
-def train_args(root, dataset, name, steps, *changes) -> list[str]:
-    return ["--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}", f"dataset.path={dataset}",
-            *OVERRIDES, f"training.steps={steps}", *changes]
+def multihost_args(root, dataset, name, steps, *changes) -> list[str]:
+    return train_args(root, dataset, name, *tiny_overrides(*OVERRIDES, f"training.steps={steps}", *changes))
 
 
-def one_process(env, devices, args) -> None:
-    result = subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env={**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+def one_process(cache, devices, args) -> None:
+    result = run_train(args, devices=devices, cache=cache, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def launch(env, processes, devices, args, **kwargs) -> subprocess.Popen:
+def launch(cache, processes, devices, args, **kwargs) -> subprocess.Popen:
     command = [sys.executable, "-m", "tools.launch_local", "--processes", str(processes), "--devices-per-process", str(devices), "--", *args]
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(command, cwd=ROOT, env=child_env(None, cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -63,15 +55,16 @@ def close(a: float, b: float, rtol: float) -> bool:
     return abs(a - b) <= rtol * abs(b)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_move_between_process_counts(setup, tmp_path):
-    dataset, env = setup
+    dataset, cache = setup
     # 1 process x 8 devices, mesh 4x2: the reference losses of steps 0-3, checkpoints 3 and 4.
-    one_process(env, 8, train_args(tmp_path, dataset, "one", 4))
+    one_process(cache, 8, multihost_args(tmp_path, dataset, "one", 4))
     expected = losses(tmp_path / "one")
     assert sorted(expected) == [0, 1, 2, 3]
 
     # 2 processes x 4 devices, the same mesh: the same losses; checkpoint 3 written by both.
-    launched = launch(env, 2, 4, train_args(tmp_path, dataset, "two", 3))
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "two", 3))
     output = launched.communicate(timeout=300)[0]
     assert launched.returncode == 0, output[-3000:]
     two = losses(tmp_path / "two")
@@ -82,21 +75,22 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
     assert len(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c" / "0")) == 2
 
     # The 2-process checkpoint in 1 process on mesh 1x1: the next step's loss.
-    one_process(env, 1, train_args(tmp_path, dataset, "two", 4, "mesh.d=1", "mesh.t=1"))
+    one_process(cache, 1, multihost_args(tmp_path, dataset, "two", 4, "mesh.d=1", "mesh.t=1"))
     assert close(losses(tmp_path / "two")[3], expected[3], 1e-4), (losses(tmp_path / "two"), expected)
 
     # The 1-process checkpoint 3 in 2 processes.
     os.makedirs(tmp_path / "from_one" / "checkpoints")
     shutil.copytree(tmp_path / "one" / "checkpoints" / "0000000003", tmp_path / "from_one" / "checkpoints" / "0000000003")
-    launched = launch(env, 2, 4, train_args(tmp_path, dataset, "from_one", 4))
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "from_one", 4))
     output = launched.communicate(timeout=300)[0]
     assert launched.returncode == 0, output[-3000:]
     assert sorted(losses(tmp_path / "from_one")) == [3] and close(losses(tmp_path / "from_one")[3], expected[3], 1e-4)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_launch(setup, tmp_path):
-    dataset, env = setup
-    launched = launch(env, 2, 4, train_args(tmp_path, dataset, "killed", 1000, "checkpoint_interval=0"), start_new_session=True)
+    dataset, cache = setup
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "killed", 1000, "checkpoint_interval=0"), start_new_session=True)
     lines, stepped = [], threading.Event()
 
     def read():

@@ -2,9 +2,7 @@
 without a cache pick; seeded sampling is reproducible; the command line prints text from a
 trained byte-level run."""
 
-import dataclasses
 import os
-import subprocess
 import sys
 
 import jax
@@ -17,10 +15,9 @@ import config
 import runs
 import sample
 import train
-from model_fixtures import load_config, make_mesh, tiny_config
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from fixtures import ROOT, forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
+from shardlib.shardtypes import make_shardings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[], [5, 17, 3], [200, 9, 9, 41, 77, 130, 2, 8, 250, 64, 11]]
 NEW_TOKENS = 6
 
@@ -39,12 +36,7 @@ def greedy_without_cache(h: config.ModelConfig, weights, mesh, prompt: list[int]
     length = -(-(len(prompt) + 1 + steps) // h.attention_block) * h.attention_block  # whole attention blocks
     starts = np.zeros((d, length), bool)
     starts[:, 0] = True
-
-    @jax.jit
-    @typed_shard_map
-    def logits_of(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
-        return train.forward(h, w, inputs, is_seq_start)
-
+    logits_of = forward_logits(h)
     sequence = [0, *prompt]
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))
@@ -57,6 +49,7 @@ def greedy_without_cache(h: config.ModelConfig, weights, mesh, prompt: list[int]
     return sequence[len(prompt) + 1 :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d,t", [(1, 1), (4, 2)])
 def test_greedy_with_kv_cache_matches_full_forward_passes(model, d, t):
     h, weights = model
@@ -70,6 +63,7 @@ def test_greedy_with_kv_cache_matches_full_forward_passes(model, d, t):
             assert row.tolist() == expected, (prompt, row.tolist(), expected)
 
 
+@pytest.mark.slow
 def test_seeded_sample_is_reproducible(model):
     h, weights = model
     mesh = make_mesh(4, 2)
@@ -90,20 +84,19 @@ def test_choose_tokens_keeps_to_top_k_and_valid_ids():
 
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory):
-    """A tiny byte-level model trained for 40 steps on this repository's docs."""
+    """A tiny byte-level model trained for 40 steps on this repository's docs by `python -m train`
+(a child process: a training run's profiler, threads and signal handler stay out of this one)."""
     root = tmp_path_factory.mktemp("text")
-    data = str(root / "docs.zarr")
-    cmd = [sys.executable, "-m", "tools.prepare_dataset", os.path.join(ROOT, "docs"), os.path.join(ROOT, "README.md"), "--suffixes", ".md",
-           "--txt-documents", "paragraph", "--validation-documents", "8", "--output", data]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    h = load_config("local_test_text", [
+    data = prepared_dataset(root / "docs.zarr", os.path.join(ROOT, "docs"), os.path.join(ROOT, "README.md"), "--suffixes", ".md",
+                            "--txt-documents", "paragraph", "--validation-documents", "8")
+    result = run_train(["--config-name=local_test_text", *run_overrides(root, data, "text"),
         "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=264", "training.tokens.batch=8", "training.tokens.len=64",
-        "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", f"dataset.path={data}",
-        "dataset.streams=1", f"paths.root_working_dir={root}", "+paths.model_name=text"])
-    train.train(h, OmegaConf.to_yaml(dataclasses.asdict(h)))
+        "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", "dataset.streams=1"])
+    assert result.returncode == 0, result.stderr[-3000:]
     return str(root / "text")
 
 
+@pytest.mark.slow
 def test_command_line_prints_text(text_run, capsys):
     sample.main(["--run-dir", text_run, "--prompt", "The ", "--max-new-tokens", "40", "--num-samples", "2",
                  "--temperature", "0.7", "--top-k", "10", "--seed", "1"])
@@ -118,6 +111,7 @@ def test_command_line_prints_text(text_run, capsys):
     print(out, file=sys.stderr)
 
 
+@pytest.mark.slow
 def test_a_run_trained_before_attention_blocks_still_loads(text_run, tmp_path):
     """A config.yaml written before model.attention_block existed loads (the key is training's
     alone; one block of the training length stands in) and samples."""

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from model_fixtures import make_mesh
+from fixtures import make_mesh
 from shardlib import shardops
 from shardlib.shardops import SpecError, all_gather, einsum_unreduced, index_unreduced, psum, psum_scatter
 from shardlib.shardtypes import f32, i32, typed_shard_map

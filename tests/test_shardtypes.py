@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model_fixtures import make_mesh
+from fixtures import make_mesh
 from shardlib.shardtypes import (
     Array,
     ShapeError,

@@ -4,30 +4,31 @@ with one clear line before any compilation, leaving the disk as it was."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import train
+from config import SeqaxError, load_config
+from fixtures import run_overrides, run_train, synthetic_dataset, train_args
 
-
-def run_train(*args: str, devices: int = 8, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+EARLIER_METRICS = '{"step": 0, "loss": 1.0}\n'  # an earlier run's file, which a bad config must leave alone
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
     """The dataset `make train` writes (the tool's defaults)."""
-    path = str(tmp_path_factory.mktemp("data") / "synthetic.zarr")
-    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", path], cwd=ROOT, check=True, capture_output=True)
-    return path
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr")
 
 
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> str:
+    """The same tasks and tokens (so the same max_token_id), a two-hundredth of the size."""
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "small.zarr", "--train-tokens", "20000", "--validation-tokens", "3000")
+
+
+@pytest.mark.slow
 def test_local_test_synthetic_learns_in_50_steps(dataset, tmp_path):
-    result = run_train("+paths.model_name=smoke", f"paths.root_working_dir={tmp_path}", f"dataset.path={dataset}")
+    result = run_train(train_args(tmp_path, dataset, "smoke"))
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(l) for l in open(tmp_path / "smoke" / "metrics.jsonl")]
     evals = [l for l in lines if "eval_loss" in l]
@@ -39,6 +40,18 @@ def test_local_test_synthetic_learns_in_50_steps(dataset, tmp_path):
     assert lines[0]["loss"] - lines[49]["loss"] >= 1.0, (lines[0]["loss"], lines[49]["loss"])
     config = (tmp_path / "smoke" / "config.yaml").read_text()
     assert "d_model: 256" in config and "model_name: smoke" in config
+
+
+def earlier_run(tmp_path):
+    run_dir = tmp_path / "bad"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(EARLIER_METRICS)
+    return run_dir
+
+
+def assert_untouched(run_dir):
+    assert (run_dir / "metrics.jsonl").read_text() == EARLIER_METRICS
+    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl"]
 
 
 @pytest.mark.parametrize(
@@ -54,16 +67,32 @@ def test_local_test_synthetic_learns_in_50_steps(dataset, tmp_path):
         (["checkpoint_interval=-5"], r"checkpoint_interval=-5 must be 0 \(save only at the end and on SIGTERM\) or a positive step count"),
     ],
 )
-def test_bad_config_stops_with_one_line_before_compiling(dataset, tmp_path, overrides, message):
-    run_dir = tmp_path / "bad"
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')  # an earlier run's file
-    result = run_train("+paths.model_name=bad", f"paths.root_working_dir={tmp_path}", f"dataset.path={dataset}", *overrides)
-    assert result.returncode != 0
+def test_bad_config_stops_before_compiling(small_dataset, tmp_path, monkeypatch, overrides, message):
+    """What `python -m train` runs (the config as hydra composes it, then train.train), in this
+    process: each bad value stops it with a SeqaxError naming the value, before the step is
+    compiled and before anything is written."""
+    run_dir = earlier_run(tmp_path)
+
+    def compile_training_step(*args):
+        raise AssertionError("the training step was compiled despite a bad config")
+
+    monkeypatch.setattr(train, "compile_training_step", compile_training_step)
+    with pytest.raises(SeqaxError, match=message):
+        cfg = load_config("local_test_synthetic", run_overrides(tmp_path, small_dataset, "bad", *overrides))
+        train.train(cfg, "unused: true\n")
+    assert_untouched(run_dir)
+
+
+@pytest.mark.slow
+def test_bad_config_on_the_command_line_is_one_line_on_stderr(small_dataset, tmp_path):
+    """The command line's side of the contract: exit status 2, exactly one line on stderr
+    starting with 'seqax: error: ', no step, and the run directory left as it was."""
+    run_dir = earlier_run(tmp_path)
+    result = run_train(train_args(tmp_path, small_dataset, "bad", "training.tokens.batch=62"))
+    assert result.returncode == 2
     lines = [l for l in result.stderr.splitlines() if l.strip()]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("seqax: error: ")
-    assert re.search(message, lines[0]), lines[0]
+    assert re.search(r"training.tokens.batch=62 is not divisible by mesh.d=4", lines[0]), lines[0]
     assert "step" not in result.stdout  # no step ran
-    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'
-    assert sorted(os.listdir(run_dir)) == ["metrics.jsonl"]
+    assert_untouched(run_dir)

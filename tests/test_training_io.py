@@ -4,48 +4,76 @@ whose run directory holds all of it."""
 
 import gzip
 import json
-import os
+import math
 import re
 import shutil
 import subprocess
-import sys
 import types
 import xml.etree.ElementTree as ElementTree
 from functools import partial
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import pytest
 from jax import lax
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import attention
 import config
 import hlo_graph
 import train
 import training_io
+from config import load_config
+from fixtures import abstract_state, make_mesh, run_train, synthetic_dataset, tiny_config, train_args
 from jax_extra import save_for_backward
-from model_fixtures import load_config, make_mesh, tiny_config
-from shardlib.shardtypes import make_shardings
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from shardlib.shardtypes import bool_, f32, typed_shard_map, u32
 
 
-def test_flops_formula_equals_a_hand_count():
-    m = config.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=2, d_head=4, d_ff=16, layers=3, vocab=32, rope_base=1e4, norm_eps=1e-5, attention_block=8)
-    # Per token, forward, 2 FLOPs per multiply-add: q 8x16, k 8x8, v 8x8, out 16x8; each of the
-    # 4 query heads against the causal half of the 8 keys (4 keys, d_head 4) for QK^T and PV;
-    # gate 8x16, up 8x16, down 16x8; the unembedding 8x32 once.
-    per_layer = 2 * (8 * 16 + 8 * 8 + 8 * 8 + 16 * 8) + 2 * 2 * (4 * 4 * 4) + 2 * (8 * 16 + 8 * 16 + 16 * 8)
-    forward = 3 * per_layer + 2 * 8 * 32
-    assert per_layer == 1792 and forward == 5888
-    assert train.model_flops_per_token(m, seq_len=8) == 3 * forward
+def dot_flops(jaxpr) -> int:
+    """2 FLOPs per multiply-add of every dot_general in `jaxpr` and the jaxprs inside it; a scan's
+    body counts `length` times, any other inner jaxpr (a while loop's body too) once."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contracted)
+        inner = [v for value in eqn.params.values() for v in (value if isinstance(value, tuple | list) else [value])]
+        inner = [v.jaxpr if isinstance(v, jax_core.ClosedJaxpr) else v for v in inner if isinstance(v, jax_core.ClosedJaxpr | jax_core.Jaxpr)]
+        total += (eqn.params["length"] if eqn.primitive.name == "scan" else 1) * sum(map(dot_flops, inner))
+    return total
 
 
-def abstract_state(h, mesh):
-    state = jax.eval_shape(lambda: train.init_state(h, mesh))
-    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state, make_shardings(train.State, mesh))
+def test_flops_formula_counts_the_matmuls_of_the_forward_pass():
+    """The formula against the matmuls that train.forward actually traces, counted from its
+    jaxpr (one attention block, so the block loop runs once; a 1x1 mesh, so shapes are global):
+    the same count once the attention's QK^T and PV, measured on dense_attention, are taken at
+    the causal half, as the formula's convention is; times 3 for forward and backward. Every
+    dimension differs, so a swapped or missing factor shows."""
+    m = config.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=3, d_head=4, d_ff=20, layers=3, vocab=40, rope_base=1e4, norm_eps=1e-5, attention_block=8)
+    B, L = 2, 8
+    Q, K, D = m.n_q_per_kv, m.n_kv, m.d_head
+    tokens = lambda dtype, *shape: jax.ShapeDtypeStruct((B, L, *shape), dtype)  # noqa: E731
+
+    @typed_shard_map
+    def logits(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+        return train.forward(m, w, inputs, is_seq_start)
+
+    @typed_shard_map
+    def attend(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], mask: bool_[b"B/d L S"]) -> f32[b"B/d L Q K/t D"]:
+        return attention.dense_attention(q, k, v, mask)
+
+    with jax.set_mesh(make_mesh(1, 1)):
+        weights = jax.eval_shape(lambda: train.init_weights(m, jax.random.key(0)))
+        forward = dot_flops(jax.make_jaxpr(logits)(weights, tokens(jnp.uint32), tokens(jnp.bool_)).jaxpr)
+        per_layer_attention = dot_flops(jax.make_jaxpr(attend)(tokens(jnp.float32, Q, K, D), *[tokens(jnp.float32, K, D)] * 2, tokens(jnp.bool_, L)).jaxpr)
+    assert per_layer_attention == 2 * (2 * B * L * L * Q * K * D)  # QK^T and PV over every query-key pair
+    causal_forward = forward - m.layers * per_layer_attention / 2
+    assert train.model_flops_per_token(m, seq_len=L) == 3 * causal_forward / (B * L)
 
 
+@pytest.mark.slow
 def test_formula_agrees_with_xla_cost_analysis_for_one_layer():
     """XLA's cost_analysis() counts a while loop's body once (training_io.flops_check), so the
     comparison is exact only with one layer. XLA counts everything the formula counts plus
@@ -132,11 +160,11 @@ def test_memory_report_follows_save_for_backward(monkeypatch):
     mesh = make_mesh(4, 2)
     state = abstract_state(h, mesh)
     with jax.set_mesh(mesh):
-        layer = partial(train.training_layer, h.model)
-        before = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, layer))
+        # A new function object each time: JAX caches the trace of a checkpointed function by its identity.
+        before = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
         sigmoid = jax.nn.sigmoid
         monkeypatch.setattr(jax.nn, "sigmoid", lambda x: save_for_backward(sigmoid(x)))
-        after = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, layer))
+        after = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
     saved = lambda terms: next(size for name, size in terms[0] if name.startswith("saved for backward"))  # noqa: E731
     B, L, F = h.training.tokens.batch // 4, h.training.tokens.len, h.model.d_ff // 2
     assert saved(after) - saved(before) == B * L * F * 2 * h.model.layers
@@ -177,16 +205,12 @@ def test_missing_graphviz_is_a_warning(tmp_path, monkeypatch, capsys):
 def short_run(tmp_path_factory):
     """Four steps of local_test_synthetic, as `make train` runs it."""
     root = tmp_path_factory.mktemp("runs")
-    data = str(root / "synthetic.zarr")
-    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", data], cwd=ROOT, check=True, capture_output=True)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", "+paths.model_name=obs", f"paths.root_working_dir={root}",
-           f"dataset.path={data}", "training.steps=4"]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = run_train(train_args(root, synthetic_dataset(root / "synthetic.zarr"), "obs", "training.steps=4"))
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "obs", result
 
 
+@pytest.mark.slow
 def test_short_run_writes_profile_graph_memory_metrics_and_tensorboard(short_run):
     run_dir, result = short_run
     traces = list((run_dir / "profile").glob("plugins/profile/*/perfetto_trace.json.gz"))
@@ -208,6 +232,7 @@ def test_short_run_writes_profile_graph_memory_metrics_and_tensorboard(short_run
     assert len(re.findall(r"^step .* MFU .* ETA ", result.stdout, re.M)) == 4
 
 
+@pytest.mark.slow
 def test_memory_estimate_is_within_30_percent_of_xla(short_run):
     run_dir, result = short_run
     report = (run_dir / "memory_report.txt").read_text()
@@ -216,6 +241,7 @@ def test_memory_estimate_is_within_30_percent_of_xla(short_run):
     assert 0.7 <= ratio <= 1.3, report
 
 
+@pytest.mark.slow
 def test_plot_metrics_draws_two_runs(short_run, tmp_path):
     from tools import plot_metrics
 

@@ -1,0 +1,171 @@
+"""What several test files share: a tiny config and meshes, random batches, weights and states,
+datasets written in this process, and `python -m train` as a child process."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+import config
+import train
+from config import load_config
+from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from tools import prepare_dataset
+from tools.launch_local import free_port
+from tools.write_synthetic_dataset import main as write_synthetic_dataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every weight dimension that a mesh axis splits divides 8, so every mesh of 8 devices fits.
+TINY = [
+    "model.d_model=64", "model.n_q_per_kv=2", "model.n_kv=8", "model.d_head=8", "model.d_ff=128", "model.layers=2", "model.vocab=256",
+    "model.attention_block=8",
+    "training.tokens.batch=8", "training.tokens.len=16", "training.steps=20", "training.warmup_steps=4", "training.learning_rate=1e-2",
+    "training.weight_decay=0.1",
+]
+
+# ---------------------------------------------------------------------------------------------
+# Configs, meshes, batches, weights and states.
+
+
+def tiny_overrides(*changes: str) -> list[str]:
+    """TINY with each key that `changes` sets replaced by the change."""
+    keys = tuple(c.split("=")[0] + "=" for c in changes)
+    return [a for a in TINY if not a.startswith(keys)] + list(changes)
+
+
+def tiny_config(*overrides: str) -> config.Config:
+    """local_test_synthetic with TINY and `overrides`, as a run named "test"."""
+    return load_config("local_test_synthetic", ["+paths.model_name=test", *tiny_overrides(*overrides)])
+
+
+def make_mesh(d: int, t: int) -> jax.sharding.Mesh:
+    return train.make_mesh(d, t, devices=jax.devices()[: d * t])
+
+
+def reference_config(h: config.ModelConfig) -> dict:
+    """The model settings tests/reference.py reads."""
+    return {k: getattr(h, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
+
+
+def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Targets, document starts and loss mask with several documents per row; some rows start
+    mid-document, and some end in padding (target 0, a start of its own, masked out) as the
+    loader pads."""
+    rng = np.random.default_rng(seed)
+    targets = rng.integers(1, vocab, size=(batch, length)).astype(np.uint32)
+    starts = rng.random((batch, length)) < 0.2
+    starts[::2, 0] = True
+    mask = np.ones((batch, length), bool)
+    mask[1::3, -3:] = False
+    targets[~mask], starts[~mask] = 0, True
+    return targets, starts, mask
+
+
+def put_batch(mesh, batch):
+    """Host arrays [B, L] on `mesh`, rows split over d as the loader places them."""
+    return jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
+
+
+def forward_logits(h: config.ModelConfig):
+    """train.forward jitted on the mesh set with jax.set_mesh: (weights, inputs [B, L],
+    is_seq_start [B, L]) -> next-token logits [B, L, V]."""
+
+    @jax.jit
+    @typed_shard_map
+    def logits(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+        return train.forward(h, w, inputs, is_seq_start)
+
+    return logits
+
+
+def perturbed_weights(h: config.Config) -> train.Model:
+    """Initial weights with norm gains moved off 1, so that their gradients mean something."""
+    w = train.init_weights(h.model, jax.random.key(0))
+    key = jax.random.key(1)
+    bump = lambda x, name: x + 0.2 * jax.random.normal(jax.random.fold_in(key, sum(map(ord, name))), x.shape)  # noqa: E731
+    layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"), "ffn_norm": bump(w.layers.ffn_norm, "f")})
+    return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
+
+
+def abstract_state(h: config.Config, mesh) -> train.State:
+    """The state's shapes, dtypes and shardings on `mesh`, without any array."""
+    state = jax.eval_shape(lambda: train.init_state(h, mesh))
+    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state, make_shardings(train.State, mesh))
+
+
+def random_state(h: config.Config, mesh) -> train.State:
+    """A state with every leaf drawn at random (Adam's second moment positive), on `mesh`."""
+    rng = np.random.default_rng(0)
+    state = abstract_state(h, mesh)
+
+    def draw(part: str):
+        positive = np.abs if part == "adam_nu" else np.asarray
+        return jax.tree.map(lambda s: jax.device_put(positive(0.05 * rng.standard_normal(s.shape)).astype(np.float32), s.sharding), getattr(state, part))
+
+    return train.State(draw("weights"), draw("adam_mu"), draw("adam_nu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Datasets, written in this process (the tools' own main functions).
+
+
+def synthetic_dataset(path, *args: str) -> str:
+    """tools/write_synthetic_dataset.py's dataset at `path` (its defaults: what `make train` uses)."""
+    write_synthetic_dataset(["--output", str(path), *args])
+    return str(path)
+
+
+def prepared_dataset(path, *args: str) -> str:
+    """tools/prepare_dataset.py's dataset of the inputs and flags `args`, at `path`."""
+    prepare_dataset.main([*args, "--output", str(path), "--workers", "1", "--quiet"])
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# `python -m train` in a child process.
+
+
+def run_overrides(root, dataset: str, name: str, *overrides: str) -> list[str]:
+    """The overrides of local_test_synthetic for a run `name` under `root` on `dataset`."""
+    return [f"+paths.model_name={name}", f"paths.root_working_dir={root}", f"dataset.path={dataset}", *overrides]
+
+
+def train_args(root, dataset: str, name: str, *overrides: str) -> list[str]:
+    """The command line (after `python -m train`) of that run."""
+    return ["--config-name=local_test_synthetic", *run_overrides(root, dataset, name, *overrides)]
+
+
+def child_env(devices: int | None = 8, cache=None) -> dict:
+    """This process's environment for a child: `devices` simulated CPU devices (None: no
+    XLA_FLAGS, for a launcher that sets its own) and, with `cache`, a persistent compilation
+    cache in that folder that keeps every entry (children that compile the same step share it)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
+
+
+def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` to its end, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache), capture_output=True, text=True, timeout=timeout)
+
+
+def start_train(args: list[str], devices: int = 8, cache=None, **popen) -> subprocess.Popen:
+    """`python -m train ARGS` started in the background (Popen keywords in `popen`)."""
+    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache), **popen)
+
+
+def run_processes(script: str, n: int, *args: str, timeout: int = 120) -> list[str]:
+    """tests/SCRIPT as the n processes of one jax.distributed run on 127.0.0.1 (each gets the
+    arguments PORT N PROCESS_ID ARGS...); asserts that every one exits 0; their outputs."""
+    port, path = free_port(), os.path.join(ROOT, "tests", script)
+    processes = [subprocess.Popen([sys.executable, path, str(port), str(n), str(i), *args], env=child_env(None), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    outputs = [p.communicate(timeout=timeout)[0] for p in processes]
+    assert all(p.returncode == 0 for p in processes), outputs
+    return outputs

@@ -1,0 +1,43 @@
+"""config.py: typed loading of nested frozen dataclasses, and errors that name the key."""
+
+import dataclasses
+
+import pytest
+
+from config import ConfigError, config_from_dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    rate: float
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    steps: int
+    inner: Inner
+    flag: bool
+
+
+def test_config_loads_nested_frozen_dataclasses():
+    c = config_from_dict(Outer, {"steps": 3, "inner": {"rate": 1, "name": "x"}, "flag": True})
+    assert c == Outer(3, Inner(1.0, "x"), True)
+    assert isinstance(c.inner.rate, float)  # an int where a float is expected is converted
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.steps = 4
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"steps": 3, "inner": {"rate": 1.0}, "flag": True}, r"config is missing key inner.name \(set it in the YAML or with \+inner.name=...\)"),
+        ({"steps": 3, "inner": {"rate": 1.0, "name": "x", "nmae": 2}, "flag": True}, r"unknown config key inner.nmae \(known keys here: name, rate\)"),
+        ({"steps": "3", "inner": {"rate": 1.0, "name": "x"}, "flag": True}, r"config key steps must be int, got '3'"),
+        ({"steps": True, "inner": {"rate": 1.0, "name": "x"}, "flag": True}, r"config key steps must be int, got True"),
+        ({"steps": 3, "inner": 5, "flag": True}, r"config key inner must be a mapping, got 5"),
+    ],
+)
+def test_config_errors_name_the_key(values, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(Outer, values)
