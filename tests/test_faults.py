@@ -157,6 +157,7 @@ def test_a_full_disk_while_writing_is_one_line_and_keeps_the_old_dataset(dataset
     assert snapshot(os.path.dirname(dataset)) == before  # the old dataset whole, no temporary left
 
 
+@pytest.mark.slow
 def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(tmp_path):
     data = str(tmp_path / "synthetic.zarr")
     subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", data], cwd=ROOT, check=True, capture_output=True)

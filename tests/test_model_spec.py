@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import train
-from model_fixtures import make_mesh, tiny_config
+from fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "model.md")
@@ -72,7 +72,7 @@ def ours(h, mesh, weights, batch):
     return np.asarray(logits, np.float64), float(loss)
 
 
-@pytest.mark.parametrize("d,t", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("d,t", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_numpy_model_of_the_doc_gives_our_logits_and_loss(spec, problem, d, t, monkeypatch):
     h, weights, (targets, starts, mask) = problem
     monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)

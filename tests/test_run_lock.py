@@ -70,6 +70,7 @@ def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_a_second_run_stops_at_once_and_the_first_finishes_undisturbed(dataset, tmp_path):
     reference = start_train(tmp_path, "reference", dataset)
     assert reference.wait(timeout=600) == 0, reference.stderr.read()[-3000:]

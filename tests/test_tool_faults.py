@@ -58,6 +58,7 @@ def one_error_line(capsys, call) -> str:
 # tools/export_hf.py
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["directory", "file"])
 def test_export_refuses_an_existing_output(run_dir, tmp_path, capsys, kind):
     output = tmp_path / "hf"
@@ -72,6 +73,7 @@ def test_export_refuses_an_existing_output(run_dir, tmp_path, capsys, kind):
     assert snapshot(tmp_path) == before and (output.is_dir() == (kind == "directory"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["directory", "file"])
 def test_export_overwrite_replaces_the_old_output_whole(run_dir, tmp_path, kind):
     output = tmp_path / "hf"
@@ -85,6 +87,7 @@ def test_export_overwrite_replaces_the_old_output_whole(run_dir, tmp_path, kind)
     assert os.listdir(tmp_path) == ["hf"]  # no temporary or old directory left
 
 
+@pytest.mark.slow
 def test_an_interrupted_export_leaves_nothing(run_dir, tmp_path, monkeypatch):
     output = tmp_path / "hf"
     output.mkdir()
@@ -100,6 +103,7 @@ def test_an_interrupted_export_leaves_nothing(run_dir, tmp_path, monkeypatch):
     assert snapshot(tmp_path) == before and os.listdir(tmp_path) == ["hf"]
 
 
+@pytest.mark.slow
 def test_export_without_safetensors_is_one_line_with_the_install_command(run_dir, tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as when not installed
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
@@ -112,6 +116,7 @@ def test_export_without_safetensors_is_one_line_with_the_install_command(run_dir
 # sample.py
 
 
+@pytest.mark.slow
 def test_sample_refuses_invalid_utf8(run_dir, capsys):
     prompt = b"caf\xe9".decode("utf-8", errors="surrogateescape")  # how Python hands such argv bytes over
     line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", prompt]))
@@ -130,16 +135,19 @@ def test_sample_refuses_a_prompt_its_tokenizer_cannot_encode():
         sample.encode_prompt(tokenizer, "ab é")
 
 
+@pytest.mark.slow
 def test_sample_refuses_a_kv_cache_larger_than_free_memory(run_dir, capsys):
     line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", "hi", "--max-new-tokens", "1000000000"]))
     assert "the KV cache of 4 samples x 1000000002 positions needs 476.84 GiB, more than the" in line and "GiB free on cpu; lower --max-new-tokens" in line
 
 
+@pytest.mark.slow
 def test_sample_with_a_dataset_that_does_not_exist_is_one_line(run_dir, capsys):
     line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--dataset", "/nonexistent/data.zarr"]))
     assert line == "seqax: error: dataset '/nonexistent/data.zarr' (for its tokenizer) does not exist; pass --dataset PATH of the run's flat-tokens dataset"
 
 
+@pytest.mark.slow
 def test_sample_still_generates(run_dir, capsys):
     sample.main(["--run-dir", run_dir, "--prompt", "hello", "--max-new-tokens", "3", "--temperature", "0"])
     assert capsys.readouterr().out.startswith("--- sample 0\nhello")
