@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import config
+import memory
 import train
 import training_io
 from bench.throughput import Row
@@ -71,7 +72,7 @@ def peak_memory(compiled) -> tuple[int | None, str]:
     if all(s and "peak_bytes_in_use" in s for s in stats):
         return max(s["peak_bytes_in_use"] for s in stats), "measured"
     analysis = compiled.memory_analysis()
-    return (training_io.compiled_peak_bytes(analysis), "XLA estimate") if analysis is not None else (None, "")
+    return (memory.compiled_peak_bytes(analysis), "XLA estimate") if analysis is not None else (None, "")
 
 
 def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:

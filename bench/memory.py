@@ -7,12 +7,12 @@ mesh of the config's shape made from this machine's devices. That is how the lad
         --config gpu1_125m gpu8_2b tpu8_1b [--report] [-- key=value ...]
 
 Two figures per device, both in GiB:
-- estimate: training_io.memory_estimate, from the code's annotations (weights, Adam moments,
+- estimate: memory.memory_estimate, from the code's annotations (weights, Adam moments,
   gradients, one layer's gathered weights, every save_for_backward, the logits), without the
   f32 copies that only XLA:CPU makes: what a GPU or TPU holds, give or take XLA's temporaries.
 - XLA:CPU peak: memory_analysis() of the step compiled here. XLA:CPU has no bf16 arithmetic and
   fuses differently from XLA:GPU/TPU, so this is a second opinion, usually the larger.
---report prints the whole memory report (training_io.memory_report) of each config.
+--report prints the whole memory report (memory.memory_report) of each config.
 """
 
 import argparse
@@ -22,8 +22,8 @@ from functools import partial
 import jax
 
 import config
+import memory
 import train
-import training_io
 from shardlib.shardtypes import make_shardings
 
 GiB = 2**30
@@ -53,8 +53,8 @@ def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]
     (no compilation), with the abstract state, layer residuals and logits it came from."""
     with jax.set_mesh(mesh):
         state = abstract_state(cfg, mesh)
-        residuals, logits = training_io.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
-    terms, _ = training_io.memory_estimate(state, cfg.model.layers, residuals, logits, xla_cpu=False)
+        residuals, logits = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
+    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits, xla_cpu=False)
     return terms, state, residuals, logits
 
 
@@ -67,14 +67,14 @@ def measure(name: str, overrides: list[str], report: bool) -> dict:
         compiled = train.compile_training_step(cfg, state, mesh)
     if report:
         title = f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t}, compiled for {jax.devices()[0].device_kind}"
-        print(training_io.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
+        print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
     return {
         "config": name,
         "parameters": parameter_count(state),
         "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t}",
         "batch": f"{cfg.training.tokens.batch} x {cfg.training.tokens.len}",
         "estimate_gib": sum(size for _, size in terms) / GiB,
-        "xla_cpu_peak_gib": training_io.compiled_peak_bytes(compiled.memory_analysis()) / GiB,
+        "xla_cpu_peak_gib": memory.compiled_peak_bytes(compiled.memory_analysis()) / GiB,
     }
 
 

@@ -235,5 +235,5 @@ def test_ladder_memory_estimate_is_the_one_its_comment_states(name):
     terms, *_ = memory.accelerator_estimate(cfg, memory.config_mesh(cfg))
     estimate = sum(size for _, size in terms) / 2**30
     with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
-        stated = float(re.search(r"training_io's estimate ([\d.]+) GiB", f.read()).group(1))
+        stated = float(re.search(r"memory.py's estimate ([\d.]+) GiB", f.read()).group(1))
     assert abs(estimate - stated) <= 0.05, (name, estimate, stated)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import memory
 import train
-import training_io
 from fixtures import abstract_state, make_mesh, tiny_config
 from jax_extra import SAVED_NAME, explicit_activation_checkpointing, fold_in_str, save_for_backward
 
@@ -22,12 +22,12 @@ def small_function(x):
 
 
 def test_only_marked_values_are_saved_in_a_small_function():
-    lines = training_io.saved_residuals(explicit_activation_checkpointing(small_function), jnp.ones(3))
+    lines = memory.saved_residuals(explicit_activation_checkpointing(small_function), jnp.ones(3))
     assert len(lines) == 2, lines
     assert "f32[3] from the argument x" in lines
     assert any(f"named '{SAVED_NAME}'" in line for line in lines), lines
     # Without the policy JAX would keep several intermediates: the marking is what decides.
-    assert len(training_io.saved_residuals(small_function, jnp.ones(3))) > 2
+    assert len(memory.saved_residuals(small_function, jnp.ones(3))) > 2
 
 
 def test_checkpointing_changes_no_value_and_no_gradient():
@@ -58,7 +58,7 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
     Q, K, D, F = h.model.n_q_per_kv, h.model.n_kv // 2, h.model.d_head, h.model.d_ff // 2
     N = L // h.model.attention_block
     with jax.set_mesh(mesh):
-        lines, _ = training_io.memory_annotations(h, mesh, abstract_state(h, mesh), partial(train.training_layer, h.model))
+        lines, _ = memory.memory_annotations(h, mesh, abstract_state(h, mesh), partial(train.training_layer, h.model))
     saved = [residual_shape(l) for l in lines if f"named '{SAVED_NAME}'" in l]
     others = [l for l in lines if f"named '{SAVED_NAME}'" not in l]
     assert all(re.search(r"from (the argument|a constant)", l) for l in others), others

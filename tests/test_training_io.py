@@ -22,6 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import attention
 import config
 import hlo_graph
+import memory
 import train
 import training_io
 from config import load_config
@@ -161,10 +162,10 @@ def test_memory_report_follows_save_for_backward(monkeypatch):
     state = abstract_state(h, mesh)
     with jax.set_mesh(mesh):
         # A new function object each time: JAX caches the trace of a checkpointed function by its identity.
-        before = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
+        before = memory.memory_estimate(state, h.model.layers, *memory.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
         sigmoid = jax.nn.sigmoid
         monkeypatch.setattr(jax.nn, "sigmoid", lambda x: save_for_backward(sigmoid(x)))
-        after = training_io.memory_estimate(state, h.model.layers, *training_io.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
+        after = memory.memory_estimate(state, h.model.layers, *memory.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
     saved = lambda terms: next(size for name, size in terms[0] if name.startswith("saved for backward"))  # noqa: E731
     B, L, F = h.training.tokens.batch // 4, h.training.tokens.len, h.model.d_ff // 2
     assert saved(after) - saved(before) == B * L * F * 2 * h.model.layers

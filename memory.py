@@ -1,0 +1,177 @@
+"""Memory per device of the training step: an estimate from the code's own annotations (the
+shardings in the types, the values marked save_for_backward) next to XLA's memory_analysis() of
+the compiled step. training_io prints and writes it as memory_report.txt; bench/memory.py sizes
+configs with it ahead of time.
+"""
+
+import contextlib
+import dataclasses
+import inspect
+import io
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import print_saved_residuals
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_extra import SAVED_NAME, explicit_activation_checkpointing
+from shardlib.shardtypes import make_partition_specs
+
+MiB = 2**20
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of one device's shards of the arrays (or ShapeDtypeStructs with shardings) in `tree`."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def _without_axis(entry, axis: str):
+    """One entry of a PartitionSpec with mesh axis `axis` taken out."""
+    if isinstance(entry, tuple):
+        return tuple(a for a in entry if a != axis) or None
+    return None if entry == axis else entry
+
+
+def gathered_bytes(tree, axis: str = "d") -> int:
+    """Bytes per device of the leaves of `tree` that are split over mesh axis `axis`, once
+    all-gathered over it (FSDP gathers weights over `d` one layer at a time)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        spec = x.sharding.spec
+        if axis in jax.tree.leaves(tuple(spec)):
+            gathered = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(_without_axis(e, axis) for e in spec)))
+            total += math.prod(gathered.shard_shape(x.shape)) * x.dtype.itemsize
+    return total
+
+
+def saved_residuals(f, *args) -> list[str]:
+    """jax.ad_checkpoint.print_saved_residuals(f, *args) as lines: what `f` keeps for its
+    backward pass. Call it where `args` have per-device shapes (inside shard_map)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(f, *args)
+    return out.getvalue().strip().splitlines()
+
+
+_RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
+
+
+def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDtypeStruct]:
+    """For the memory report, per device: what one transformer layer keeps for its backward pass
+    (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
+    float32 logits (B/d L V/t). `layer(x, w, doc_start, position)` is the layer as the step's
+    scan runs it (train.training_layer with the model config bound), whose annotations give the
+    shardings of x [B, L, M], doc_start and position [B, L]; `state` gives the stacked layer
+    weights (arrays or ShapeDtypeStructs)."""
+    B, L, M, d, t = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t
+    lines = []
+
+    def one_layer(w):  # the stacked weights without their leading `layers` axis
+        return jax.ShapeDtypeStruct(w.shape[1:], w.dtype, sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
+
+    parameters = inspect.signature(layer).parameters
+    def annotated(name, shape, dtype):  # noqa: E306
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
+
+    w = jax.tree.map(one_layer, state.weights.layers)
+    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), annotated("position", (B, L), jnp.uint32))
+
+    def probe(*args):  # inside shard_map, so that the shapes are per device
+        lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))
+        return jnp.zeros(())
+
+    specs = jax.tree.map(lambda a: a.sharding.spec, args)
+    jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
+    return lines, jax.ShapeDtypeStruct((B // d, L, cfg.model.vocab // t), jnp.float32)
+
+
+def residual_size(line: str) -> tuple[str, int]:
+    """('bf16[16,64,256]', bytes) of a print_saved_residuals line."""
+    dtype, dims = _RESIDUAL.match(line).groups()
+    shape = [int(d) for d in dims.split(",") if d]
+    itemsize = 1 if dtype == "bool" else int(re.search(r"\d+$", dtype).group()) // 8  # bf16, f32, u32, ...
+    return f"{dtype}[{dims}]", math.prod(shape) * itemsize
+
+
+def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
+    """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
+    save_for_backward and the layer's input (the scan keeps it per layer). Its weights are left
+    out: they are slices of the stacked weights, counted once."""
+    kept = []
+    for line in residual_lines:
+        if f"named '{SAVED_NAME}'" in line:
+            kept.append((*residual_size(line), "save_for_backward"))
+        elif line.split(" from ")[-1] == f"the argument {input_name}":
+            kept.append((*residual_size(line), "layer input"))
+    return kept
+
+
+def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
+                    xla_cpu: bool | None = None) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+    """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
+
+    `state` has the weights and Adam moments (fields weights, adam_mu, adam_nu) as arrays or
+    ShapeDtypeStructs with shardings; `layers` is how many layers are stacked; `layer_residuals`
+    are print_saved_residuals lines of one layer (see layer_saved_values); `logits` is a
+    ShapeDtypeStruct of one device's logits. `xla_cpu` adds what only XLA:CPU allocates (default:
+    whether this process runs on CPU; False estimates a GPU or TPU from a CPU machine)."""
+    weights = per_device_bytes(state.weights)
+    saved = layer_saved_values(layer_residuals)
+    saved_per_layer = sum(size for _, size, _ in saved)
+    outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != "layers"]
+    gathered = max(gathered_bytes(state.weights.layers) / layers, *(gathered_bytes(w) for w in outside_layers))
+    logits_bytes = math.prod(logits.shape) * jnp.dtype(logits.dtype).itemsize
+    terms = [
+        ("weights (f32, sharded as annotated)", weights),
+        ("Adam moments (f32 mu and nu)", per_device_bytes((state.adam_mu, state.adam_nu))),
+        ("gradients (f32, reduce-scattered like the weights)", weights),
+        # The forward gathers a layer's weights as bf16 (all_gather_cast); the backward gathers
+        # them again (they are not saved) and builds their whole f32 gradient before
+        # reduce-scattering it: 2 + 4 bytes per gathered parameter, 1.5x its f32 size.
+        ("largest gathered weights of one layer: bf16, f32 gradient", round(1.5 * gathered)),
+        (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
+        ("logits (f32) and their gradient", 2 * logits_bytes),
+    ]
+    on_xla_cpu = jax.devices()[0].platform == "cpu" if xla_cpu is None else xla_cpu
+    if on_xla_cpu:
+        # XLA:CPU has no bf16 arithmetic: before the backward loop it converts every stacked
+        # bf16 residual to f32 (seen in the optimized HLO), so those exist twice more in f32.
+        bf16 = sum(size for shape, size, _ in saved if shape.startswith("bf16"))
+        terms.append(("f32 copies of the saved bf16 values (XLA:CPU converts them)", 2 * bf16 * layers))
+    return terms, saved
+
+
+def compiled_peak_bytes(analysis) -> int:
+    """Peak bytes per device of a compiled executable from its memory_analysis(). On CPU
+    peak_memory_in_bytes leaves the temporaries out; what the executable allocates is the larger
+    of it and arguments + outputs - aliased + temporaries."""
+    allocated = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
+    return max(allocated, getattr(analysis, "peak_memory_in_bytes", 0))
+
+
+def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits, title: str) -> tuple[str, float, float]:
+    """The memory report (text), the estimate and XLA's peak, in bytes per device: the terms of
+    memory_estimate() next to compiled.memory_analysis()."""
+    terms, saved = memory_estimate(state, layers, layer_residuals, logits)
+    estimate = sum(size for _, size in terms)
+    lines = [f"Memory per device of the training step: {title}", "", "Estimate from the code's annotations (shardings of the types, save_for_backward):"]
+    for name, size in terms:
+        lines.append(f"  {name:<76} {size / MiB:10.2f} MiB")
+        if name.startswith("saved for backward"):
+            lines += [f"      {shape:<24} {size / MiB:8.3f} MiB  {why}" for shape, size, why in saved]
+    lines.append(f"  {'total':<76} {estimate / MiB:10.2f} MiB")
+    lines += ["", "XLA memory_analysis() of the compiled step:"]
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        lines.append("  not available on this backend")
+        return "\n".join(lines) + "\n", estimate, float("nan")
+    fields = [("arguments", analysis.argument_size_in_bytes), ("outputs", analysis.output_size_in_bytes),
+              ("aliased (outputs written into donated arguments)", analysis.alias_size_in_bytes), ("temporaries", analysis.temp_size_in_bytes),
+              ("peak_memory_in_bytes", getattr(analysis, "peak_memory_in_bytes", 0))]
+    lines += [f"  {name:<76} {size / MiB:10.2f} MiB" for name, size in fields]
+    xla = compiled_peak_bytes(analysis)
+    lines.append(f"  {'peak: max(peak_memory_in_bytes, arguments + outputs - aliased + temporaries)':<76} {xla / MiB:10.2f} MiB")
+    lines += ["", f"estimate / XLA peak = {estimate / xla:.2f}"]
+    return "\n".join(lines) + "\n", estimate, xla
