@@ -37,7 +37,7 @@ from config import Config, ModelConfig, SeqaxError, TrainingConfig, check_attent
 from data_loader import make_loader
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
-from multihost import console_name, exit_if_peer_lost, initialize_distributed
+from multihost import console_name, exit_if_peer_lost, exit_on_sigterm, initialize_distributed, leave
 from shardlib.shardops import all_gather, einsum_unreduced, index_unreduced, psum, take_unreduced
 from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
 
@@ -414,10 +414,12 @@ def train(cfg: Config, resolved_yaml: str):
 
 @hydra.main(config_path="configs", config_name=None, version_base=None)
 def main(hydra_cfg: DictConfig):
+    exit_on_sigterm()  # one line, not a silent death, until the loop can save instead
     try:
         cfg = config_from_dict(Config, OmegaConf.to_container(hydra_cfg, resolve=True))
         initialize_distributed(cfg.distributed)  # before any other JAX call
         train(cfg, OmegaConf.to_yaml(hydra_cfg, resolve=True))
+        leave()  # the other processes' watchdogs take this exit for a finish, not a death
     except SeqaxError as e:
         print(f"{console_name()}: error: {e}", file=sys.stderr)
         sys.exit(2)
