@@ -20,8 +20,13 @@ TrainingConfig; all are defined in config.py. The attention kernels are in atten
 
 import math
 import os
+import signal
 import sys
 from functools import partial
+
+if __name__ == "__main__":  # `python -m train`: a SIGTERM during the seconds of the imports below gets multihost's line too
+    signal.signal(signal.SIGTERM, lambda signum, frame: (os.write(2, b"seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
+                                                                      b"a restart resumes from the newest checkpoint\n"), os._exit(128 + signum)))
 
 import hydra
 import jax
