@@ -123,3 +123,14 @@ def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
     assert err.strip().splitlines() == ["seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
                                         "a restart resumes from the newest checkpoint"], err[-3000:]
     assert "step " not in out
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path, dataset):
+    """Every process saves at an agreed step, says goodbye (no `lost process` line) and exits 0: so does the launcher."""
+    launch = Launch(tmp_path, dataset)
+    assert launch.stepped.wait(timeout=300), "".join(launch.lines[-40:])
+    launch.proc.send_signal(signal.SIGTERM)
+    status = launch.finish(timeout=180)
+    assert status == 0, "".join(launch.lines[-40:])
+    assert "launch_local: all 2 processes exited 0\n" in launch.lines and not any("error" in l for l in launch.lines), "".join(launch.lines[-40:])
+    assert any(n.isdigit() for n in os.listdir(tmp_path / "run" / "checkpoints"))
