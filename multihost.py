@@ -10,6 +10,7 @@ them, and each process loads, computes and writes only what its devices hold.
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -153,7 +154,7 @@ def exit_if_peer_lost(error: Exception):
 # passes the news on to the others, so every process names the one that died first.
 
 LIVENESS_PORT_OFFSET = 1  # process 0's liveness server listens on the coordinator's port + this
-BEAT, BYE, LOST = b".", b"B", b"L"  # a heartbeat; "I exit on purpose"; "L<j>\n": process j was lost
+BEAT, BYE, LOST, ERROR = b".", b"B", b"L", b"E"  # a heartbeat; "I exit on purpose"; "L<j>\n": process j was lost; "process 0 stops with an error"
 _watch: dict = {}
 _stopping = threading.Lock()
 
@@ -162,24 +163,35 @@ def _sign(process_id: int) -> str:
     return "seqax" if process_id == 0 else f"seqax[process {process_id}]"
 
 
-def _stop(process_id: int, line: str):
-    """Prints `line` signed by this process and exits 1 at once; only the first caller prints."""
+def _tell_others(notice: bytes, wait: float):
+    """Process 0: sends `notice` to every other process, then waits up to `wait` s for them to
+    close their connections, i.e. to exit with their own line: while process 0 lives, their JAX
+    runtimes have no reason to abort natively."""
+    for conn in list(_watch.get("peers", {}).values()):
+        try:
+            conn.sendall(notice)
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait
+    while set(_watch.get("peers", {})) - _watch["closed"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _stop(process_id: int, line: str, notice: bytes = ERROR):
+    """Prints `line` signed by this process and exits 1; process 0 first tells the others (`notice`).
+    Only the first caller prints."""
     if _stopping.acquire(blocking=False):
         os.write(2, f"{_sign(process_id)}: error: {line}\n".encode(errors="replace"))
+        if process_id == 0 and "closed" in _watch:
+            _tell_others(notice, wait=2.0)
         os._exit(1)  # not sys.exit: jax.distributed's shutdown would wait for the dead process
     threading.Event().wait()  # another thread is exiting the process
 
 
 def _lost(process_id: int, peer: int, why: str):
     _watch.setdefault("lost", (peer, why))
-    if process_id == 0:  # tell the others which process died first
-        for other, conn in list(_watch["peers"].items()):
-            if other != peer:
-                try:
-                    conn.sendall(LOST + f"{peer}\n".encode())
-                except OSError:
-                    pass
-    _stop(process_id, f"lost process {peer} ({why}); stopping this process too (restart the run: it resumes from the newest checkpoint)")
+    _stop(process_id, f"lost process {peer} ({why}); stopping this process too (restart the run: it resumes from the newest checkpoint)",
+          LOST + f"{peer}\n".encode())  # process 0 tells the others which process died first
 
 
 def _beat(process_id: int, conns, period: float):
@@ -202,6 +214,10 @@ def _listen(process_id: int, peer: int, conn: socket.socket, timeout: float):
             _lost(process_id, peer, f"no heartbeat for {timeout:.0f} s: its host may be down or unreachable")
         except OSError:
             data = b""
+        if not data:
+            _watch["closed"].add(peer)
+        if ERROR in data:
+            _lost(process_id, 0, "it stopped with an error: see its line")
         if BYE in data:
             _watch["peers"].pop(peer, None)
             return
@@ -249,7 +265,7 @@ def start_watchdog(process_id: int, num: int, coordinator: str, timeout: float, 
     """Starts watching the other processes (see above): process 0 serves, the others connect."""
     host, port = coordinator.rsplit(":", 1)
     port, period = int(port) + LIVENESS_PORT_OFFSET, max(0.5, timeout / 5)
-    _watch.update(process=process_id, peers={})
+    _watch.update(process=process_id, peers={}, closed=set())
     if process_id == 0:
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").rsplit(":", 1)[0] or ""
         server = socket.create_server((bind.strip("[]"), port), reuse_port=False)
@@ -263,9 +279,17 @@ def start_watchdog(process_id: int, num: int, coordinator: str, timeout: float, 
     threading.Thread(target=_beat, args=(process_id, lambda: _watch["peers"].values(), period), daemon=True, name="seqax-heartbeat").start()
 
 
-def leave():
-    """Tells the other processes that this one exits on purpose (a finished or preempted run),
-    so that its closing connection is not taken for a death."""
+def leave(error: bool = False):
+    """Tells the other processes that this one exits on purpose: a finished or preempted run
+    (so that its closing connection is not taken for a death), or, on process 0, after an error
+    (the others then stop with a line naming it before this process's exit can abort them)."""
+    if error:
+        if _watch and _stopping.acquire(blocking=False):  # this process's line is out: the watchdog prints no other
+            if _watch["process"] == 0:
+                _tell_others(ERROR, wait=2.0)
+                sys.stdout.flush()
+                os._exit(2)  # not sys.exit: jax.distributed's shutdown would wait for the stopped processes
+        return
     for conn in list(_watch.get("peers", {}).values()):
         try:
             conn.sendall(BYE)

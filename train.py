@@ -426,7 +426,8 @@ def main(hydra_cfg: DictConfig):
         train(cfg, OmegaConf.to_yaml(hydra_cfg, resolve=True))
         leave()  # the other processes' watchdogs take this exit for a finish, not a death
     except SeqaxError as e:
-        print(f"{console_name()}: error: {e}", file=sys.stderr)
+        print(f"{console_name()}: error: {e}", file=sys.stderr, flush=True)
+        leave(error=True)  # process 0: the other processes stop with a line first
         sys.exit(2)
     except jax.errors.JaxRuntimeError as e:
         exit_if_peer_lost(e)  # several processes: one line naming the likely cause, then exit

@@ -51,6 +51,7 @@ class Launch:
             self.lines.append(line)
             if line.startswith("[0] step"):
                 self.stepped.set()
+        self.stepped.set()  # the launcher has exited: stop waiting
 
     def pids(self) -> dict[int, int]:
         return {int(l.split()[2]): int(l.split()[-1]) for l in self.lines if l.startswith("launch_local: process ") and " has pid " in l}
@@ -70,7 +71,7 @@ class Launch:
 @pytest.mark.parametrize("killed", [0, 1])
 def test_killing_either_process_stops_the_other_with_one_line(tmp_path, dataset, killed):
     launch = Launch(tmp_path, dataset)
-    assert launch.stepped.wait(timeout=300), "".join(launch.lines[-40:])
+    assert launch.stepped.wait(timeout=300) and launch.proc.poll() is None, "".join(launch.lines[-40:])
     os.kill(launch.pids()[killed], signal.SIGKILL)
     killed_at = time.monotonic()
     status = launch.finish(timeout=120)
@@ -128,7 +129,7 @@ def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
 def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path, dataset):
     """Every process saves at an agreed step, says goodbye (no `lost process` line) and exits 0: so does the launcher."""
     launch = Launch(tmp_path, dataset)
-    assert launch.stepped.wait(timeout=300), "".join(launch.lines[-40:])
+    assert launch.stepped.wait(timeout=300) and launch.proc.poll() is None, "".join(launch.lines[-40:])
     launch.proc.send_signal(signal.SIGTERM)
     status = launch.finish(timeout=180)
     assert status == 0, "".join(launch.lines[-40:])
