@@ -79,9 +79,14 @@ def test_killing_either_process_stops_the_other_with_one_line(tmp_path, dataset,
     exited = time.monotonic() - killed_at
     print(f"killed process {killed}: the launcher exited {exited:.2f} s later")
     assert exited < HEARTBEAT_S, "".join(launch.lines[-40:])
-    errors = [l for l in launch.of(survivor) if "error" in l or any(n in l for n in NATIVE)]
+    # Ours is the one line of seqax; when the coordinator dies, JAX's runtime may log a few lines of
+    # its own first (docs/multi-host.md), but the watchdog exits before its abort prints a stack.
+    ours = [l for l in launch.of(survivor) if l.startswith("seqax")]
     sign = "seqax" if survivor == 0 else f"seqax[process {survivor}]"
-    assert len(errors) == 1 and errors[0].startswith(f"{sign}: error: lost process {killed} ("), "".join(launch.lines[-40:])
+    assert len(ours) == 1 and ours[0].startswith(f"{sign}: error: lost process {killed} ("), "".join(launch.lines[-40:])
+    assert not any(n in l for l in launch.of(survivor) for n in NATIVE if n != "Terminating process because"), "".join(launch.lines[-40:])
+    if killed == 1:  # process 0 learns first, from its own watchdog: nothing from the runtime
+        assert not any("Terminating process because" in l for l in launch.of(survivor)), "".join(launch.lines[-40:])
     assert f"launch_local: process {killed} (pid {launch.pids()[killed]}) was killed by SIGKILL first; exiting with status 137\n" in launch.lines
     assert status == 137
 
