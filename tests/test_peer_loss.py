@@ -140,3 +140,16 @@ def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path, dataset):
     assert status == 0, "".join(launch.lines[-40:])
     assert "launch_local: all 2 processes exited 0\n" in launch.lines and not any("error" in l for l in launch.lines), "".join(launch.lines[-40:])
     assert any(n.isdigit() for n in os.listdir(tmp_path / "run" / "checkpoints"))
+
+
+def test_the_launcher_blames_the_first_failure_or_the_one_its_peers_report_lost():
+    from tools.launch_local import Launcher, shell_status
+    launcher = Launcher.__new__(Launcher)  # no processes: only the bookkeeping
+    launcher.lock = threading.Lock()
+    launcher.exited, launcher.blamed = {0: (10.0, 0), 1: (10.5, 0)}, {}
+    assert launcher.first_failure() is None
+    launcher.exited = {0: (10.0, 1), 1: (10.2, 2)}
+    assert launcher.first_failure() == (0, 1)
+    # Process 0's watchdog exited 1 a few milliseconds before the launcher saw process 1's death.
+    launcher.exited, launcher.blamed = {0: (10.000, 1), 1: (10.004, -signal.SIGKILL)}, {0: 1}
+    assert launcher.first_failure() == (1, -signal.SIGKILL) and shell_status(-signal.SIGKILL) == 137
