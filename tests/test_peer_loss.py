@@ -81,7 +81,7 @@ def test_killing_either_process_stops_the_other_with_one_line(tmp_path, dataset,
     assert exited < HEARTBEAT_S, "".join(launch.lines[-40:])
     # Ours is the one line of seqax; when the coordinator dies, JAX's runtime may log a few lines of
     # its own first (docs/multi-host.md), but the watchdog exits before its abort prints a stack.
-    ours = [l for l in launch.of(survivor) if l.startswith("seqax")]
+    ours = [l for l in launch.of(survivor) if l.startswith("seqax") and ": error: " in l]
     sign = "seqax" if survivor == 0 else f"seqax[process {survivor}]"
     assert len(ours) == 1 and ours[0].startswith(f"{sign}: error: lost process {killed} ("), "".join(launch.lines[-40:])
     assert not any(n in l for l in launch.of(survivor) for n in NATIVE if n != "Terminating process because"), "".join(launch.lines[-40:])
