@@ -41,7 +41,17 @@ MARKER_TIMEOUT_S = 1800.0  # how long process 0 waits for the other processes' w
 
 
 class CorruptCheckpoint(Exception):
-    """A committed checkpoint whose data fails its checksums or lacks chunks."""
+    """A committed checkpoint whose data fails its checksums or lacks chunks, or whose metadata
+    contradicts itself."""
+
+
+class StateMismatch(CheckpointError):
+    """A checkpoint whose arrays are not the state's: written for another model config, unless
+    other checkpoints of the run fit the state (then this one is damaged). `what` is the mismatch alone."""
+
+    def __init__(self, message: str, what: str):
+        super().__init__(message)
+        self.what = what
 
 
 def leaf_names(tree) -> list[str]:
@@ -114,6 +124,12 @@ class Checkpointer:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    def _unreadable_steps(self) -> list[int]:
+        """Steps whose group zarr.json is missing or garbled although the directory holds more:
+        damaged. (An interrupted save's group metadata is whole, or is all that exists: it is
+        written first, and the commit rewrites it atomically.)"""
+        return [s for s in self._steps_on_disk() if self._attributes(s) is None and set(os.listdir(self.step_dir(s))) - {"zarr.json"}]
+
     def _steps_on_disk(self) -> list[int]:
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
         return sorted(int(n) for n in names if STEP_DIR.match(n))
@@ -177,7 +193,8 @@ class Checkpointer:
         if os.path.exists(path):
             raise FileExistsError(f"checkpoint {path} already exists; restore() removes uncommitted ones before saving")
         os.makedirs(self.directory, exist_ok=True)
-        attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves], "write_completed": False}
+        attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves], "write_completed": False,
+                      "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves}, "array_dtypes": {leaf.name: leaf.dtype.name for leaf in leaves}}
         group = zarr.create_group(store=path, attributes=attributes)
         for leaf, layout in zip(leaves, layouts):
             key = (leaf.name, leaf.shape, leaf.dtype.name, layout)
@@ -268,35 +285,65 @@ class Checkpointer:
         .shape and .dtype) placed with `shardings` (a tree of jax.sharding.Sharding), and moves
         every checkpoint newer than it out of the way, so that those steps are written afresh.
         Returns (step, tree), or None if there is no committed checkpoint. A damaged checkpoint
-        is skipped with a warning; a mismatch of names, shapes or dtypes raises."""
+        is skipped (and renamed `.damaged.*` once an older one loads); a mismatch of names,
+        shapes or dtypes that every checkpoint shares raises."""
         self.wait()
         names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
         targets, placements = jax.tree.leaves(shapes), treedef.flatten_up_to(shardings)
-        complete = self.complete_steps()
-        for step in reversed(complete):
+        complete, unreadable = self.complete_steps(), self._unreadable_steps()
+        candidates, damaged = sorted(complete + unreadable), {}
+        for step in reversed(candidates):
             try:
+                if step in unreadable:
+                    raise CorruptCheckpoint("its group metadata zarr.json is unreadable")
                 leaves, problem = self._read(step, names, targets, placements), None
             except CorruptCheckpoint as e:
                 leaves, problem = None, str(e)
+            except StateMismatch as e:
+                fitting = [s for s in complete if s != step and s not in damaged and self._fits(s, names, targets)]
+                if not fitting:
+                    raise
+                leaves, problem = None, f"{e.what}, while checkpoint {fitting[-1]} fits the state"
             if _processes_agree(problem is None):
-                self._discard_newer_than(step)
+                self._discard_newer_than(step, damaged)
                 return step, jax.tree.unflatten(treedef, leaves)
-            warnings.warn(f"checkpoint {self.step_dir(step)} is damaged ({problem or 'on another process'}); falling back to the previous one "
-                          f"(it is kept as {self.directory}/.damaged.{step:010d}.*)", stacklevel=2)
-        if complete:
-            raise CheckpointError(f"every committed checkpoint in {self.directory} is damaged; move them away to start again from step 0")
-        self._discard_newer_than(-1)
+            damaged[step] = problem or "on another process"
+        if candidates:
+            if self.process == 0:
+                for step, problem in damaged.items():
+                    warnings.warn(f"checkpoint {self.step_dir(step)} is damaged ({problem})", stacklevel=2)
+            raise CheckpointError(f"every committed checkpoint in {self.directory} is damaged (steps {sorted(damaged)}); they are left in place: "
+                                  "inspect them, then move them away to start again from step 0")
+        self._discard_newer_than(-1, damaged)
         return None
 
-    def _discard_newer_than(self, step: int):
-        """Frees the steps after `step` for the resumed run: damaged checkpoints are renamed
-        aside (for inspection), uncommitted ones deleted."""
+    def _fits(self, step: int, names: list[str], targets: list) -> bool:
+        """Whether checkpoint `step`'s metadata records exactly the state's arrays, shapes and dtypes."""
+        attributes = self._attributes(step) or {}
+        if sorted(attributes.get("arrays", [])) != sorted(names):
+            return False
+        for name, target in zip(names, targets):
+            try:
+                with open(os.path.join(self.step_dir(step), name, "zarr.json")) as f:
+                    metadata = json.load(f)
+                if tuple(metadata["shape"]) != tuple(target.shape) or metadata["attributes"]["dtype"] != jnp.dtype(target.dtype).name:
+                    return False
+            except (OSError, ValueError, KeyError, TypeError):
+                return False
+        return True
+
+    def _discard_newer_than(self, step: int, damaged: dict):
+        """Frees the steps after `step` for the resumed run: damaged checkpoints (`damaged`: step ->
+        problem) are renamed aside for inspection, each with one warning; uncommitted ones deleted."""
         if self.process == 0 and os.path.isdir(self.directory):
-            newer, complete = [s for s in self._steps_on_disk() if s > step], set(self.complete_steps())
+            newer = [s for s in self._steps_on_disk() if s > step]
             for s in newer:
-                if s in complete:
-                    os.rename(self.step_dir(s), os.path.join(self.directory, f".damaged.{s:010d}.{uuid.uuid4().hex}"))
-            self._delete([s for s in newer if s not in complete])
+                if s in damaged:
+                    aside = os.path.join(self.directory, f".damaged.{s:010d}.{uuid.uuid4().hex}")
+                    os.rename(self.step_dir(s), aside)
+                    warnings.warn(f"checkpoint {self.step_dir(s)} is damaged ({damaged[s]}); falling back to the previous one; "
+                                  f"it is kept as {aside}", stacklevel=3)
+            self._delete([s for s in newer if s not in damaged])
         _barrier(f"seqax_checkpoint_discard_{step}")
 
     def read(self, step: int, shapes, shardings):
@@ -315,24 +362,33 @@ class Checkpointer:
     def _read(self, step: int, names: list[str], targets: list, shardings: list, subset: bool = False) -> list[jax.Array]:
         path = self.step_dir(step)
         attributes = self._attributes(step)
-        if attributes.get("format_version") != FORMAT_VERSION or attributes.get("step") != step:
-            raise CheckpointError(f"checkpoint {path} has format_version {attributes.get('format_version')!r} and step {attributes.get('step')!r}; "
+        if attributes.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint {path} has format_version {attributes.get('format_version')!r}; "
                                   f"this program reads format_version {FORMAT_VERSION} only")
+        if attributes.get("step") != step:
+            raise CorruptCheckpoint(f"its step attribute is {attributes.get('step')!r}, not the {step} of its directory name")
         stored = attributes.get("arrays", [])
         missing, extra = sorted(set(names) - set(stored)), sorted(set(stored) - set(names))
         if missing or (extra and not subset):
-            raise CheckpointError(f"checkpoint {path} does not hold this state: arrays missing {missing}, unexpected {extra}; "
-                                  "restore with the model it was written with or use a new paths.model_name")
+            what = f"arrays missing {missing}, unexpected {extra}"
+            raise StateMismatch(f"checkpoint {path} does not hold this state: {what}; restore with the model it was written with or use a new "
+                                "paths.model_name", what)
         arrays = {}
+        recorded_shapes, recorded_dtypes = attributes.get("array_shapes"), attributes.get("array_dtypes")  # absent in old checkpoints
         for name, target in zip(names, targets):
             try:
                 array = zarr.open_array(os.path.join(path, name), mode="r")
                 dtype = jnp.dtype(array.attrs["dtype"])
             except Exception as e:  # zarr raises several types for damaged metadata
                 raise CorruptCheckpoint(f"array {name}: {e!r}") from e
+            if array.dtype != stored_dtype(dtype):
+                raise CorruptCheckpoint(f"array {name} stores {array.dtype} but its dtype attribute says {dtype.name}")
+            if recorded_shapes is not None and (list(array.shape) != recorded_shapes.get(name) or dtype.name != recorded_dtypes.get(name)):
+                raise CorruptCheckpoint(f"array {name} is {dtype.name}{list(array.shape)} but the checkpoint recorded "
+                                        f"{recorded_dtypes.get(name)}{recorded_shapes.get(name)} when it was saved")
             if tuple(array.shape) != tuple(target.shape) or dtype != target.dtype:
-                raise CheckpointError(f"checkpoint {path}: array {name} is {dtype.name}{list(array.shape)} but the state expects "
-                                      f"{jnp.dtype(target.dtype).name}{list(target.shape)}; use the model config it was written with or a new paths.model_name")
+                what = f"array {name} is {dtype.name}{list(array.shape)} but the state expects {jnp.dtype(target.dtype).name}{list(target.shape)}"
+                raise StateMismatch(f"checkpoint {path}: {what}; use the model config it was written with or a new paths.model_name", what)
             arrays[name] = array
         return self._read_regions(path, arrays, names, targets, shardings)
 

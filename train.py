@@ -21,8 +21,13 @@ TrainingConfig; all are defined in config.py. The attention kernels are in atten
 
 import math
 import os
+import signal
 import sys
 from functools import partial
+
+if __name__ == "__main__":  # `python -m train`: a SIGTERM during the seconds of the imports below gets multihost's line too
+    signal.signal(signal.SIGTERM, lambda signum, frame: (os.write(2, b"seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
+                                                                      b"a restart resumes from the newest checkpoint\n"), os._exit(128 + signum)))
 
 import hydra
 import jax
@@ -39,7 +44,7 @@ from config import Config, ModelConfig, SeqaxError, TrainingConfig, check_attent
 from data_loader import make_loader
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
-from multihost import console_name, exit_if_peer_lost, initialize_distributed
+from multihost import console_name, exit_if_peer_lost, exit_on_sigterm, initialize_distributed, leave
 from shardlib.shardops import all_gather, all_gather_cast, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
 from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
 
@@ -443,12 +448,15 @@ def train(cfg: Config, resolved_yaml: str):
 
 @hydra.main(config_path="configs", config_name=None, version_base=None)
 def main(hydra_cfg: DictConfig):
+    exit_on_sigterm()  # one line, not a silent death, until the loop can save instead
     try:
         cfg = config_from_dict(Config, OmegaConf.to_container(hydra_cfg, resolve=True))
         initialize_distributed(cfg.distributed)  # before any other JAX call
         train(cfg, OmegaConf.to_yaml(hydra_cfg, resolve=True))
+        leave()  # the other processes' watchdogs take this exit for a finish, not a death
     except SeqaxError as e:
-        print(f"{console_name()}: error: {e}", file=sys.stderr)
+        print(f"{console_name()}: error: {e}", file=sys.stderr, flush=True)
+        leave(error=True)  # process 0: the other processes stop with a line first
         sys.exit(2)
     except jax.errors.JaxRuntimeError as e:
         exit_if_peer_lost(e)  # several processes: one line naming the likely cause, then exit
