@@ -68,6 +68,7 @@ class Launch:
         return [l[len(f"[{i}] "):] for l in self.lines if l.startswith(f"[{i}] ")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed", [0, 1])
 def test_killing_either_process_stops_the_other_with_one_line(tmp_path, dataset, killed):
     launch = Launch(tmp_path, dataset)
@@ -91,6 +92,7 @@ def test_killing_either_process_stops_the_other_with_one_line(tmp_path, dataset,
     assert status == 137
 
 
+@pytest.mark.slow
 def test_a_process_that_never_joins_is_named(tmp_path, dataset):
     """Only process 0 starts (process 1 of 2 never comes): it names process 1 after the initialization timeout."""
     env = {**environment(tmp_path), "JAX_COORDINATOR_ADDRESS": "127.0.0.1:0", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
@@ -112,6 +114,7 @@ def free_port_pair() -> int:
     return free_port()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["importing", "compiling"])
 def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
     env = {**environment(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
@@ -131,6 +134,7 @@ def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
     assert "step " not in out
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path, dataset):
     """Every process saves at an agreed step, says goodbye (no `lost process` line) and exits 0: so does the launcher."""
     launch = Launch(tmp_path, dataset)
