@@ -268,6 +268,11 @@ class Checkpointer:
         if future is not None:
             try:
                 future.result()
+            except OSError as e:  # a full disk, a quota, a lost mount: the user can fix these
+                latest = self.latest_step()
+                kept = f"checkpoint {latest} is the newest and intact" if latest is not None else "no checkpoint was committed"
+                raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}; "
+                                      f"{kept}; fix the cause and run the same command again to resume") from e
             except Exception as e:
                 raise RuntimeError(f"writing a checkpoint in {self.directory} failed: {e!r}") from e
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
+from config import ConfigError
 from jax_extra import SAVED_NAME, explicit_activation_checkpointing
 from shardlib.shardtypes import make_partition_specs
 
@@ -175,3 +176,31 @@ def memory_report(compiled, state, layers: int, layer_residuals: list[str], logi
     lines.append(f"  {'peak: max(peak_memory_in_bytes, arguments + outputs - aliased + temporaries)':<76} {xla / MiB:10.2f} MiB")
     lines += ["", f"estimate / XLA peak = {estimate / xla:.2f}"]
     return "\n".join(lines) + "\n", estimate, xla
+
+
+def free_memory(device) -> int:
+    """Bytes a new buffer on `device` can take: the allocator's limit less what is in use, or,
+    for the host's CPU devices (which share it), the memory the kernel reports available."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def check_step_fits(compiled, mesh):
+    """Stops the run with one line when the compiled step needs more memory than its devices
+    have free: what XLA's memory_analysis() says it allocates beyond its arguments (the state,
+    already in memory), on every device of this process (CPU devices share the host's memory)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return
+    need = compiled_peak_bytes(analysis) - analysis.argument_size_in_bytes
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    sharing = len(jax.local_devices()) if device.platform == "cpu" else 1
+    free = free_memory(device)
+    if need * sharing > free:
+        raise ConfigError(f"the training step needs {need / 2**30:.2f} GiB per device beyond its state (XLA's memory_analysis(), memory_report.txt) "
+                          f"x {sharing} device(s) sharing memory, more than the {free / 2**30:.2f} GiB free on {device.platform}; "
+                          "lower training.tokens.batch or training.tokens.len, or use more devices")

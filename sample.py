@@ -29,6 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import memory
 import train
 from attention import causal_document_mask, dense_attention
 from config import ConfigError, ModelConfig, SeqaxError
@@ -154,17 +155,6 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return encode(text)
 
 
-def free_memory(device) -> int:
-    """Bytes a new buffer on `device` can take: the allocator's limit less what is in use, or,
-    for the host's CPU devices (which share it), the memory the kernel reports available."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
-
-
 def check_cache_fits(h: ModelConfig, batch: int, length: int, mesh):
     """Refuses, before allocating it, a KV cache larger than the memory its devices have free."""
     shape = (h.layers, batch, length, h.n_kv, h.d_head)
@@ -172,7 +162,7 @@ def check_cache_fits(h: ModelConfig, batch: int, length: int, mesh):
     device = mesh.devices.flat[0]
     # CPU devices share the host's memory: the whole cache must fit; else each device its shard.
     need = 2 * 2 * math.prod(shape if device.platform == "cpu" else shard)  # k and v, bf16
-    free = free_memory(device)
+    free = memory.free_memory(device)
     if need > free:
         raise ConfigError(f"the KV cache of {batch} samples x {length} positions needs {need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free "
                           f"on {device.platform}; lower --max-new-tokens (or --num-samples, or the prompt)")

@@ -44,6 +44,7 @@ from config import Config, ModelConfig, SeqaxError, TrainingConfig, check_attent
 from data_loader import make_loader
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
+from memory import check_step_fits
 from multihost import console_name, exit_if_peer_lost, exit_on_sigterm, initialize_distributed, leave
 from shardlib.shardops import all_gather, all_gather_cast, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
 from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
@@ -422,6 +423,7 @@ def train(cfg: Config, resolved_yaml: str):
         # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
         step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
         log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
+        check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
         log.communication_report(step_fn, communication_per_step(cfg))
         try:
             for step in range(start, cfg.training.steps):

@@ -1,6 +1,7 @@
 """checkpoint.py: bitwise round trips (bf16 too) on any mesh and process count, damaged and
 uncommitted checkpoints, asynchronous saving, and real training runs killed and resumed."""
 
+import errno
 import json
 import os
 import random
@@ -248,12 +249,14 @@ def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
 
 def test_failed_background_write_stops_training(tmp_path, monkeypatch):
     def fail(job):
-        raise OSError("no space left on device")
+        raise OSError(errno.ENOSPC, "No space left on device", "/a/chunk")
 
     each_write(monkeypatch, fail)
     checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
-    with pytest.raises(RuntimeError, match="no space left on device"):
+    # One line for the user (a SeqaxError), naming the cause, the file and what is intact.
+    message = r"failed: No space left on device \(/a/chunk\); no checkpoint was committed; fix the cause and run the same command again"
+    with pytest.raises(CheckpointError, match=message):
         for _ in range(1000):  # the loop calls check() every step
             checkpointer.check()
             time.sleep(0.01)

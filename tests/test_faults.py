@@ -7,13 +7,17 @@ import subprocess
 import sys
 
 import google_crc32c
+import jax
 import numpy as np
 import pytest
 import zarr
 
 import flat_tokens
+import memory
+import train
 from config import ConfigError, DatasetConfig, DatasetError, load_config, validate_config
 from data_loader import make_loader
+from fixtures import abstract_state, make_mesh, tiny_config
 from flat_tokens import open_flat_tokens, write_flat_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -223,3 +227,17 @@ def test_prepare_dataset_refuses_an_output_that_is_or_holds_an_input(tmp_path, c
     assert capsys.readouterr().err.splitlines() == [
         f"prepare_dataset: error: --output '{output}' is or contains the input '{text}'; writing it would delete the input; choose another --output"]
     assert snapshot(tmp_path) == before
+
+
+def test_a_step_that_cannot_fit_the_free_memory_is_one_line(monkeypatch):
+    """The compiled step of a tiny config, against a host with 1 MiB free: one line naming both
+    sizes and the keys to lower, before any step runs."""
+    cfg = tiny_config()
+    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
+    with jax.set_mesh(mesh):
+        compiled = train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh)
+    memory.check_step_fits(compiled, mesh)  # fits the real machine
+    monkeypatch.setattr(memory, "free_memory", lambda device: 2**20)
+    with pytest.raises(ConfigError, match=r"the training step needs [\d.]+ GiB per device beyond its state .* x 8 device\(s\) sharing memory, "
+                                          r"more than the 0.00 GiB free on cpu; lower training.tokens.batch or training.tokens.len"):
+        memory.check_step_fits(compiled, mesh)
