@@ -19,6 +19,7 @@ Names: `cfg` is a run's Config, `h` its model section (ModelConfig), `training` 
 TrainingConfig; all are defined in config.py. The attention kernels are in attention.py.
 """
 
+import contextlib
 import math
 import os
 import signal
@@ -409,42 +410,41 @@ def train(cfg: Config, resolved_yaml: str):
     dataset = open_flat_tokens(cfg.dataset.path)
     validate_config(cfg, jax.device_count(), dataset.max_token_id)
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
-    loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
     eval_batches = evaluation_batches(cfg, dataset, mesh)
     run_dir = os.path.join(cfg.paths.root_working_dir, cfg.paths.model_name)
-    # One writer per run directory: the lock comes before anything there is read or written.
-    with run_lock.hold(run_dir), jax.set_mesh(mesh), PreemptionWatch() as preemption:
-        checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)
+    # Everything opened below is closed in reverse order however the run ends (the log flushed,
+    # the checkpoint in flight committed, the lock released, the prefetch threads stopped).
+    with contextlib.ExitStack() as opened:
+        loader = opened.enter_context(contextlib.closing(make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)))
+        opened.enter_context(run_lock.hold(run_dir))  # one writer per run directory, before anything there is read or written
+        opened.enter_context(jax.set_mesh(mesh))
+        preemption = opened.enter_context(PreemptionWatch())
+        checkpointer = opened.enter_context(contextlib.closing(Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)))
         # A checkpoint that does not fit the config stops the run here, before anything but the lock is written.
         restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
         start = restored[0] if restored else 0
-        log = training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)
+        log = opened.enter_context(contextlib.closing(training_io.RunLog(run_dir, resolved_yaml, cfg, start, model_flops_per_token)))
         state = restored[1] if restored else init_state(cfg, mesh)
         # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
         step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
         log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
         log.communication_report(step_fn, communication_per_step(cfg))
-        try:
-            for step in range(start, cfg.training.steps):
-                batch = loader.batch(step)
-                log.before_step(step, state)  # the profiler trace covers two steps after the first
-                state, metrics = step_fn(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask)
-                log.after_step(step, metrics)  # logs the step before: reading metrics never stalls the device
-                checkpointer.check()  # a failed background write stops training here
-                preempted, done = preemption.reached(step), step + 1
-                if preempted or is_due(cfg.checkpoint_interval, done, cfg.training.steps):
-                    log.flush()  # every step a checkpoint holds is logged before it commits
-                    checkpointer.save(done, state)  # returns after the device-to-host copy
-                if eval_batches and is_due(cfg.eval_interval, done, cfg.training.steps):
-                    log.eval(done, evaluate(cfg, state.weights, eval_batches))
-                if preempted:
-                    print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
-                    break
-        finally:
-            loader.close()  # stops the prefetch threads
-            checkpointer.close()  # waits for the write in flight
-        log.close()
+        for step in range(start, cfg.training.steps):
+            batch = loader.batch(step)
+            log.before_step(step, state)  # the profiler trace covers two steps after the first
+            state, metrics = step_fn(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask)
+            log.after_step(step, metrics)  # logs the step before: reading metrics never stalls the device
+            checkpointer.check()  # a failed background write stops training here
+            preempted, done = preemption.reached(step), step + 1
+            if preempted or is_due(cfg.checkpoint_interval, done, cfg.training.steps):
+                log.flush()  # every step a checkpoint holds is logged before it commits
+                checkpointer.save(done, state)  # returns after the device-to-host copy
+            if eval_batches and is_due(cfg.eval_interval, done, cfg.training.steps):
+                log.eval(done, evaluate(cfg, state.weights, eval_batches))
+            if preempted:
+                print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr, flush=True)
+                break
     return state
 
 
