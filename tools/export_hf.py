@@ -90,11 +90,23 @@ def generation_config(data_vocab: int, model_vocab: int, eos_id: int | None, pad
             "suppress_tokens": [0, *range(data_vocab, model_vocab)]}
 
 
+def offset_steps(processor: dict | None) -> list[dict]:
+    """What `processor` does to offsets without adding tokens, as ByteLevel steps: ByteLevel's own,
+    and RobertaProcessing's trimming (which it applies even without special tokens)."""
+    kind = (processor or {}).get("type")
+    if kind == "Sequence":
+        return [step for p in processor.get("processors") or [] for step in offset_steps(p)]
+    if kind == "ByteLevel":
+        return [processor]
+    if kind == "RobertaProcessing" and processor.get("trim_offsets", True):
+        return [{"type": "ByteLevel", "add_prefix_space": processor.get("add_prefix_space", True), "trim_offsets": True, "use_regex": True}]
+    return []
+
+
 def begin_of_document_post_processor(processor: dict | None) -> dict:
-    """A post-processor that puts BOS_TOKEN (id 0) before the text and adds no other token; the
-    original's ByteLevel steps (offsets only, no ids) are kept."""
-    kept = [p for p in (processor.get("processors") or []) if p.get("type") == "ByteLevel"] if processor and processor.get("type") == "Sequence" else []
-    kept += [processor] if processor and processor.get("type") == "ByteLevel" else []
+    """A post-processor that puts BOS_TOKEN (id 0) before the text and adds no other token (the
+    dataset's documents were encoded without special tokens); offsets are the original's."""
+    kept = offset_steps(processor)
     template = {"type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
