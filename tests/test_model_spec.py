@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import train
-from model_fixtures import make_mesh, tiny_config
+from fixtures import make_mesh, tiny_config
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "model.md")
