@@ -129,6 +129,14 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """The `logging:` section: where a run reports besides its run directory (training_io.py)."""
+
+    wandb_project: str  # "": no Weights & Biases; else the W&B project that gets metrics.jsonl's values and the config
+    wandb_entity: str  # the W&B user or team of the project ("": your default entity)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
     training: TrainingConfig
@@ -140,6 +148,7 @@ class Config:
     eval_interval: int  # steps between validation losses (0: only after the last step)
     eval_batches: int  # validation batches 0..eval_batches-1 make eval_loss (0: no evaluation)
     distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
+    logging: LoggingConfig  # optional reporting to Weights & Biases (training_io.py, docs/observability.md)
 
 
 # ---------------------------------------------------------------------------------------------

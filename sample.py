@@ -1,10 +1,13 @@
 """Text from a checkpoint, generated with an explicit KV cache.
 
-    python -m sample --run-dir runs/RUN --prompt "def " [--step N] [--max-new-tokens 200]
-        [--temperature 0.8] [--top-k 40] [--seed 0] [--num-samples 4] [--mesh-d D --mesh-t T]
+    python -m sample --run-dir runs/RUN (--prompt "def " | --prompt-ids 5 17 3) [--step N]
+        [--max-new-tokens 200] [--temperature 0.8] [--top-k 40] [--seed 0] [--num-samples 4]
+        [--mesh-d D --mesh-t T]
 
 The run's config.yaml gives the model and the dataset, whose tokenizer encodes the prompt and
-decodes the samples. A sample is a new document: its inputs are token 0 (begin of document),
+decodes the samples. --prompt-ids gives the prompt as token ids instead (1 to the dataset's
+largest id; 0 is the begin of document), for any run: on a dataset without a text tokenizer
+(the synthetic one) the samples are printed as ids, the prompt's first. A sample is a new document: its inputs are token 0 (begin of document),
 then the prompt's tokens, then each generated token. Prefill runs the prompt through the model
 once and fills the cache; then every step feeds one token per sample and appends its keys and
 values. The model's math is train.py's own (embed_tokens, transformer_layer, output_logits);
@@ -32,7 +35,8 @@ from jax.sharding import PartitionSpec as P
 import memory
 import train
 from attention import causal_document_mask, dense_attention
-from config import ConfigError, ModelConfig, SeqaxError
+from config import ConfigError, ModelConfig, SeqaxError, TokenizerError
+from flat_tokens import open_flat_tokens
 from runs import load_run_config, load_weights, run_mesh
 from shardlib.shardtypes import Array, bf16, f32, make_shardings, pytree_dataclass, typechecked, typed_shard_map, u32
 from tokenizer import dataset_tokenizer
@@ -155,6 +159,27 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return encode(text)
 
 
+def prompt_and_tokenizer(args, run) -> tuple[list[int], object, int]:
+    """(prompt ids, the dataset's text tokenizer or None, the largest id a sample may hold)."""
+    path = args.dataset or run.dataset_path
+    if args.prompt_ids is None:
+        try:
+            tokenizer = dataset_tokenizer(path)
+        except TokenizerError:
+            raise TokenizerError(f"dataset {path!r} has no text tokenizer to encode --prompt; give the prompt as token ids with --prompt-ids") from None
+        return encode_prompt(tokenizer, args.prompt), tokenizer, tokenizer.vocab_size - 1
+    try:
+        tokenizer = dataset_tokenizer(path)
+        largest, where = tokenizer.vocab_size - 1, "the dataset's tokenizer"
+    except TokenizerError:  # no text tokenizer: the ids the dataset holds
+        tokenizer = None
+        largest, where = min(open_flat_tokens(path, check_seq_starts=False).max_token_id, run.model.vocab - 1), f"dataset {path!r}"
+    bad = [i for i in args.prompt_ids if not 1 <= i <= largest]
+    if bad:
+        raise ConfigError(f"--prompt-ids {bad[0]} is outside 1..{largest}, the ids of {where} (0 is the begin of document, added before the prompt)")
+    return list(args.prompt_ids), tokenizer, largest
+
+
 def check_cache_fits(h: ModelConfig, batch: int, length: int, mesh):
     """Refuses, before allocating it, a KV cache larger than the memory its devices have free."""
     shape = (h.layers, batch, length, h.n_kv, h.d_head)
@@ -172,7 +197,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True, help="a run directory: config.yaml and checkpoints/")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    parser.add_argument("--prompt", default="", help="text the samples continue (default: none, a document from its start)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text the samples continue (default: none, a document from its start)")
+    prompt.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID",
+                        help="the prompt as token ids (any dataset; without a text tokenizer samples print as ids)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -186,23 +214,25 @@ def main(argv=None):
         if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
             raise ConfigError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k not negative")
         run = load_run_config(args.run_dir)
-        tokenizer = dataset_tokenizer(args.dataset or run.dataset_path)
-        prompt = encode_prompt(tokenizer, args.prompt)
+        prompt, tokenizer, max_token_id = prompt_and_tokenizer(args, run)
         mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
         check_cache_fits(run.model, *cache_size(mesh, len(prompt), args.num_samples, args.max_new_tokens), mesh)
         step, weights = load_weights(args.run_dir, run, mesh, args.step)
         print(f"checkpoint {step} of {args.run_dir}, mesh d={mesh.shape['d']} t={mesh.shape['t']}, prompt of {len(prompt)} tokens", file=sys.stderr)
         top_k = min(args.top_k, run.model.vocab)
         tokens = generate(run.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed,
-                          max_token_id=tokenizer.vocab_size - 1, verbose=True)
+                          max_token_id=max_token_id, verbose=True)
     except SeqaxError as e:
         print(f"seqax: error: {e}", file=sys.stderr)
         sys.exit(2)
     for i, row in enumerate(tokens):
+        print(f"--- sample {i}")
+        if tokenizer is None:
+            print(" ".join(str(int(t)) for t in [*prompt, *row]), flush=True)
+            continue
         if tokenizer.eos_id is not None and tokenizer.eos_id in row:
             row = row[: list(row).index(tokenizer.eos_id)]  # the document ended there
-        print(f"--- sample {i}")
-        print(args.prompt + tokenizer.decode(row), flush=True)
+        print((args.prompt if args.prompt_ids is None else tokenizer.decode(prompt)) + tokenizer.decode(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ config.yaml; one line per step on stdout, in metrics.jsonl and in TensorBoard (l
 rate, grad norm, tokens/s, MFU, step time, ETA); at start-up the compile time, the model FLOPs
 against XLA's count, a memory report (memory_report.txt) and a communication report
 (communication_report.txt); the optimized HLO of the step
-(training_step.hlo.txt, .dot and .svg); a profiler trace of two steps (profile/).
+(training_step.hlo.txt, .dot and .svg); a profiler trace of two steps (profile/). With
+logging.wandb_project set, metrics.jsonl's values and the config go to W&B too (wandb_log.py).
 
 Only process 0 prints and writes. Logging reads the step's three scalars after the next step is
 dispatched, so it never makes the device wait.
@@ -24,10 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorboardX
+import yaml
 
 import communication
 import hlo_graph
 import memory
+from wandb_log import WandbLog
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and peak rates. The model's FLOPs per token are train.model_flops_per_token, passed in.
@@ -173,7 +176,7 @@ class RunLog:
         # so host work between steps (evaluation, a checkpoint's copy, the profile) is not in it.
         self.dispatched: dict[int, float] = {}
         self.finished: dict[int, float] = {}
-        self.last_end, self.dot_process, self.tracing = 0.0, None, False
+        self.last_end, self.dot_process, self.tracing, self.wandb = 0.0, None, False, None
         if not self.writes:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -186,6 +189,7 @@ class RunLog:
         # run that continued (metrics.jsonl keeps both lines).
         self.tensorboard = tensorboardX.SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start or None, flush_secs=10,
                                                       filename_suffix=f".step{start}.pid{os.getpid()}")
+        self.wandb = WandbLog(run_dir, cfg.logging, yaml.safe_load(resolved_yaml)) if cfg.logging.wandb_project else None
         self.peak, source = peak_flops()
         self.print(f"peak bf16 FLOP/s for MFU: {source}: " + (f"{self.peak / 1e12:.4g} TFLOP/s" if self.peak else "unknown, MFU is null"))
 
@@ -296,8 +300,7 @@ class RunLog:
         tokens_per_second = self.tokens_per_step / step_time
         mfu = self.model_flops_per_token * tokens_per_second / self.peak if self.peak else None
         line = {"step": step, **values, "step_time": step_time, "tokens_per_second": tokens_per_second, "mfu": mfu}
-        self.metrics_file.write(json.dumps(line) + "\n")
-        self.metrics_file.flush()
+        self.write_line(line)
         for key, value in line.items():
             if key != "step" and value is not None:
                 self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
@@ -306,14 +309,20 @@ class RunLog:
               f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
 
+    def write_line(self, line: dict):
+        """A line of metrics.jsonl, and the same values to W&B when it is on."""
+        self.metrics_file.write(json.dumps(line) + "\n")
+        self.metrics_file.flush()
+        if self.wandb is not None:
+            self.wandb.log(line)
+
     def eval(self, step: int, eval_loss: float):
         """The line {"step": step, "eval_loss": ...}: the validation loss of the weights after
         `step` steps (those of checkpoint `step`), in metrics.jsonl, TensorBoard and stdout."""
         self.flush()
         if not self.writes:
             return
-        self.metrics_file.write(json.dumps({"step": step, "eval_loss": eval_loss}) + "\n")
-        self.metrics_file.flush()
+        self.write_line({"step": step, "eval_loss": eval_loss})
         self.tensorboard.add_scalar("eval_loss", eval_loss, step)
         self.print(f"eval {step:6d}/{self.cfg.training.steps}  eval_loss {eval_loss:.4f}")
 
@@ -335,3 +344,5 @@ class RunLog:
                      f"render it with `dot -Tsvg {os.path.join(self.run_dir, 'training_step.dot')} -o training_step.svg`")
         self.tensorboard.close()
         self.metrics_file.close()
+        if self.wandb is not None:
+            self.wandb.close()

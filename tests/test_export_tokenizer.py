@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from config import TokenizerError
-from tools.export_hf import BOS_TOKEN, shifted_tokenizer_json
+from tools.export_hf import BOS_TOKEN, PAD_TOKEN, exported_tokenizer_json, pad_id, shifted_tokenizer_json
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "hello world, the dog sleeps", "a fox and a dog meet at noon"]
 SPECIALS = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "<s>", "</s>", "<|begin_of_text|>"]
@@ -91,3 +91,26 @@ def test_a_post_processor_it_cannot_shift_is_refused_in_one_line():
     with pytest.raises(TokenizerError, match="FancyProcessing") as error:
         shifted_tokenizer_json(json.dumps(tok))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name,base,post_processor", KINDS, ids=[k[0] for k in KINDS])
+def test_exported_tokenizer_adds_begin_of_document_and_nothing_else(name, base, post_processor):
+    """The export's tokenizer.json: encoding with special tokens gives 0 and then the ids a
+    dataset document of the text has (encoded without special tokens, every id + 1), with the
+    original's offsets; the pad token sits at the first id above the data's."""
+    original = with_post_processor(base(), post_processor)
+    data_vocab = original.get_vocab_size() + 1
+    exported = Tokenizer.from_str(json.dumps(exported_tokenizer_json(original.to_str(), data_vocab, data_vocab)))
+    for text, _ in TEXTS:
+        plain = original.encode(text, add_special_tokens=False)
+        got = exported.encode(text)
+        assert got.ids == [0, *(i + 1 for i in plain.ids)]
+        assert got.tokens[1:] == plain.tokens and got.offsets[1:] == plain.offsets
+        assert exported.decode(got.ids, skip_special_tokens=True) == original.decode(plain.ids, skip_special_tokens=True)
+    assert exported.token_to_id(PAD_TOKEN) == data_vocab
+
+
+def test_pad_id_is_a_spare_row_else_end_of_document_and_never_zero():
+    assert pad_id(data_vocab=181, model_vocab=192, eos_id=3) == 181
+    assert pad_id(data_vocab=192, model_vocab=192, eos_id=3) == 3
+    assert pad_id(data_vocab=192, model_vocab=192, eos_id=None) is None

@@ -15,7 +15,8 @@ import config
 import runs
 import sample
 import train
-from fixtures import ROOT, forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
+from fixtures import ROOT, forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
+from flat_tokens import open_flat_tokens
 from shardlib.shardtypes import make_shardings
 
 PROMPTS = [[], [5, 17, 3], [200, 9, 9, 41, 77, 130, 2, 8, 250, 64, 11]]
@@ -124,3 +125,48 @@ def test_a_run_trained_before_attention_blocks_still_loads(text_run, tmp_path):
     h = runs.load_run_config(str(old))
     assert h.model.attention_block == h.seq_len
     sample.main(["--run-dir", str(old), "--prompt", "a", "--max-new-tokens", "3", "--seed", "0"])
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory):
+    """A tiny model trained for 10 steps on the synthetic dataset (no text tokenizer), as `make
+    train` trains one, by `python -m train` in a child process."""
+    root = tmp_path_factory.mktemp("synthetic")
+    data = synthetic_dataset(root / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "2000")
+    result = run_train(train_args(root, data, "synthetic", *tiny_overrides("training.steps=10", "eval_batches=0", "checkpoint_interval=10")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return str(root / "synthetic")
+
+
+@pytest.mark.slow
+def test_prompt_ids_on_a_run_without_a_text_tokenizer_print_ids(synthetic_run, capsys):
+    prompt = [2, 10, 11, 12, 1]  # the copy task, three symbols, the separator
+    sample.main(["--run-dir", synthetic_run, "--prompt-ids", *map(str, prompt), "--max-new-tokens", "5", "--temperature", "0", "--num-samples", "2"])
+    run = runs.load_run_config(synthetic_run)
+    mesh = runs.run_mesh(run.model, None, None)
+    _, weights = runs.load_weights(synthetic_run, run, mesh)
+    largest = open_flat_tokens(run.dataset_path).max_token_id
+    expected = sample.generate(run.model, weights, mesh, prompt, num_samples=1, max_new_tokens=5, max_token_id=largest)[0].tolist()
+    assert all(1 <= t <= largest for t in expected)
+    out = capsys.readouterr().out
+    assert out == "".join(f"--- sample {i}\n{' '.join(map(str, prompt + expected))}\n" for i in range(2)), out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-ids", "5", "70"], "--prompt-ids 70 is outside 1..69"),
+    (["--prompt-ids", "0"], "--prompt-ids 0 is outside 1..69"),
+    (["--prompt", "hello"], "has no text tokenizer to encode --prompt; give the prompt as token ids with --prompt-ids"),
+], ids=["above", "zero", "text"])
+def test_a_prompt_the_data_cannot_hold_is_refused_in_one_line(synthetic_run, capsys, args, message):
+    with pytest.raises(SystemExit) as exit:
+        sample.main(["--run-dir", synthetic_run, *args])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("seqax: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_prompt_and_prompt_ids_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit:
+        sample.main(["--run-dir", "nowhere", "--prompt", "a", "--prompt-ids", "3"])
+    assert exit.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -107,6 +107,7 @@ def fake_config(steps: int):
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
         model=config.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5, attention_block=8),
         mesh=types.SimpleNamespace(d=1, t=1),
+        logging=config.LoggingConfig(wandb_project="", wandb_entity=""),
     )
 
 

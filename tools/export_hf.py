@@ -13,8 +13,16 @@ matmuls with bfloat16 operands, so logits agree to bfloat16 rounding, not exactl
 
 Token ids are seqax's: a tokenizer's id + 1, with 0 the begin-of-document input (bos_token_id 0).
 The exported tokenizer.json is the dataset's with every id shifted by one and a `<seqax_bos>`
-token at 0, so that it encodes to the ids the model was trained on. A bytes-tokenized dataset
-has no tokenizer file to export: its ids are UTF-8 byte + 1 (257 ends a document).
+token at 0, so that it encodes to the ids the model was trained on. Its post-processor is
+replaced by one that puts `<seqax_bos>` first and adds nothing else: the dataset's documents
+were encoded without the tokenizer's own special tokens, so `tok(text)` gives [0] + the ids
+that a document of that text has in the dataset, and `model.generate(**tok(text,
+return_tensors="pt"))` continues it as sample.py does. The pad id is never 0 (transformers
+would take a 0 in the inputs for padding): the first id above the data's (`<seqax_pad>`, an
+embedding row the model has but the data never used), else the end-of-document id, else none.
+generation_config.json suppresses 0 and the ids above the data's, which sample.py never
+chooses either, so greedy decoding picks the same tokens. A bytes-tokenized dataset has no
+tokenizer file to export: its ids are UTF-8 byte + 1 (257 ends a document).
 """
 
 import argparse
@@ -32,6 +40,7 @@ from config import ConfigError, DatasetError, SeqaxError, TokenizerError
 from runs import load_run_config, load_weights, run_mesh
 
 BOS_TOKEN = "<seqax_bos>"
+PAD_TOKEN = "<seqax_pad>"
 
 
 def hf_tensors(w, h) -> dict[str, np.ndarray]:
@@ -57,15 +66,63 @@ def hf_tensors(w, h) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
 
 
-def hf_config(h, max_positions: int, eos_id: int | None) -> dict:
+def pad_id(data_vocab: int, model_vocab: int, eos_id: int | None) -> int | None:
+    """The exported pad id: the first id above the data's if the model has one (PAD_TOKEN), else
+    the end-of-document id (padding is masked out, so it is never read), else None."""
+    return data_vocab if data_vocab < model_vocab else eos_id
+
+
+def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": h.vocab, "hidden_size": h.d_model,
         "intermediate_size": h.d_ff, "num_hidden_layers": h.layers, "num_attention_heads": h.n_q_per_kv * h.n_kv,
         "num_key_value_heads": h.n_kv, "head_dim": h.d_head, "hidden_act": "silu", "rms_norm_eps": h.norm_eps,
         "rope_theta": h.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": h.rope_base},
         "max_position_embeddings": max_positions, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": eos_id, "torch_dtype": "float32", "dtype": "float32",
+        "bos_token_id": 0, "eos_token_id": eos_id, "pad_token_id": pad, "torch_dtype": "float32", "dtype": "float32",
     }
+
+
+def generation_config(data_vocab: int, model_vocab: int, eos_id: int | None, pad: int | None) -> dict:
+    """Greedy `generate` picks what sample.py picks: never 0 (the begin-of-document input) nor an
+    id above the data's (sample.py chooses among 1..data_vocab - 1)."""
+    return {"bos_token_id": 0, "eos_token_id": eos_id, "pad_token_id": pad, "decoder_start_token_id": 0,
+            "suppress_tokens": [0, *range(data_vocab, model_vocab)]}
+
+
+def offset_steps(processor: dict | None) -> list[dict]:
+    """What `processor` does to offsets without adding tokens, as ByteLevel steps: ByteLevel's own,
+    and RobertaProcessing's trimming (which it applies even without special tokens)."""
+    kind = (processor or {}).get("type")
+    if kind == "Sequence":
+        return [step for p in processor.get("processors") or [] for step in offset_steps(p)]
+    if kind == "ByteLevel":
+        return [processor]
+    if kind == "RobertaProcessing" and processor.get("trim_offsets", True):
+        return [{"type": "ByteLevel", "add_prefix_space": processor.get("add_prefix_space", True), "trim_offsets": True, "use_regex": True}]
+    return []
+
+
+def begin_of_document_post_processor(processor: dict | None) -> dict:
+    """A post-processor that puts BOS_TOKEN (id 0) before the text and adds no other token (the
+    dataset's documents were encoded without special tokens); offsets are the original's."""
+    kept = offset_steps(processor)
+    template = {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {BOS_TOKEN: {"id": BOS_TOKEN, "ids": [0], "tokens": [BOS_TOKEN]}}}
+    return {"type": "Sequence", "processors": [*kept, template]} if kept else template
+
+
+def exported_tokenizer_json(text: str, pad: int | None, data_vocab: int) -> dict:
+    """shifted_tokenizer_json with begin_of_document_post_processor and, when `pad` is the first
+    id above the data's, PAD_TOKEN at that id."""
+    tok = shifted_tokenizer_json(text)
+    tok["post_processor"] = begin_of_document_post_processor(tok["post_processor"])
+    if pad == data_vocab:
+        tok["added_tokens"].append({"id": pad, "content": PAD_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
+                                    "normalized": False, "special": True})
+    return tok
 
 
 def shifted_post_processor(processor: dict | None) -> dict | None:
@@ -128,20 +185,27 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     dataset = dataset or run.dataset_path
     if not os.path.isdir(dataset):
         raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
-    attrs = dict(zarr.open_group(dataset, mode="r").attrs).get("tokenizer", {})
+    group_attrs = dict(zarr.open_group(dataset, mode="r").attrs)
+    attrs = group_attrs.get("tokenizer", {})
+    data_vocab = attrs.get("vocab_size") or group_attrs.get("max_token_id", run.model.vocab - 1) + 1  # ids the data can hold: 0..data_vocab - 1
+    eos, pad = attrs.get("eos_id"), pad_id(data_vocab, run.model.vocab, attrs.get("eos_id"))
     tmp = f"{output.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
         save_file(hf_tensors(weights, run.model), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), attrs.get("eos_id")))
-        write_json(os.path.join(tmp, "generation_config.json"), {"bos_token_id": 0, "eos_token_id": attrs.get("eos_id"), "decoder_start_token_id": 0})
+        write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), eos, pad))
+        write_json(os.path.join(tmp, "generation_config.json"), generation_config(data_vocab, run.model.vocab, eos, pad))
         if attrs.get("kind") == "tokenizers":
             text = zarr.open_group(dataset, mode="r")[attrs["stored_as"]][:].tobytes().decode("utf-8")
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
-                json.dump(shifted_tokenizer_json(text), f, ensure_ascii=False)
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "model_max_length": run.seq_len}
+                json.dump(exported_tokenizer_json(text, pad, data_vocab), f, ensure_ascii=False)
+            # The post-processor adds <seqax_bos>; add_bos_token False keeps transformers from adding another.
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "add_eos_token": False,
+                      "model_max_length": run.seq_len}
             if attrs.get("eos_token"):
                 config["eos_token"] = attrs["eos_token"]
+            if pad is not None:
+                config["pad_token"] = PAD_TOKEN if pad == data_vocab else attrs.get("eos_token")
             write_json(os.path.join(tmp, "tokenizer_config.json"), config)
         replace(tmp, output)
     except BaseException:
