@@ -31,21 +31,6 @@ OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
 # Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
 PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
 
-# tests/test_bench.py is another owner's file: until it marks its own, its tests that start
-# benchmark processes (over 3 s each on two cores) are marked slow here, by name.
-SLOW_BENCH_TESTS = {
-    "test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row", "test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config",
-    "test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure", "test_gpu_sh_fails_fast_without_a_gpu",
-    "test_compare_commits_times_a_commit_against_this_checkout", "test_compare_commits_names_a_commit_that_does_not_exist",
-}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        if item.path.name == "test_bench.py" and item.originalname in SLOW_BENCH_TESTS:
-            item.add_marker(pytest.mark.slow)
-
-
 def functions() -> dict:
     """Every function and class of our modules and of PATCHED_MODULES, by where it is reached."""
     ours = [m for name, m in list(sys.modules.items()) if getattr(m, "__file__", None) and m.__file__.startswith(ROOT + os.sep)

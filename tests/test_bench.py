@@ -43,6 +43,7 @@ def assert_fails_fast_with_one_line(result, seconds, *phrases):
     assert seconds < 30, seconds
 
 
+@pytest.mark.slow
 def test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row(tmp_path):
     rows_file = tmp_path / "rows.json"
     result, _ = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", SEQAX_BENCH_CONFIGS="local_test_synthetic", SEQAX_BENCH_OVERRIDES=TINY_ONE_DEVICE,
@@ -73,6 +74,7 @@ def test_gpu_sh_fails_fast_naming_a_missing_package(tmp_path):
     assert_fails_fast_with_one_line(result, seconds, "hydra-core", "is missing", "no_wheels is absent", "bench/gpu/gpu_wheels.sh")
 
 
+@pytest.mark.slow
 def test_gpu_sh_fails_fast_without_a_gpu(tmp_path):
     result, seconds = run_gpu_sh(tmp_path)
     assert_fails_fast_with_one_line(result, seconds, "no GPU visible to JAX", "cpu")
@@ -94,6 +96,7 @@ def test_gpu_sh_fails_fast_on_wheels_that_do_not_install(tmp_path):
     assert_fails_fast_with_one_line(result, seconds, "pip could not install", "bench/gpu/gpu_wheels.sh")
 
 
+@pytest.mark.slow
 def test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure(tmp_path):
     """XLA aborting on a flag it does not know (as jaxlib may after an upgrade) and a package
     that breaks on import are not among gpu_check's checks: the one line is their own error."""
@@ -110,6 +113,7 @@ def run_throughput(*args):
     return subprocess.run([sys.executable, "-m", "bench.throughput", *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
 
 
+@pytest.mark.slow
 def test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config(tmp_path):
     """8 devices (conftest): gpu1_125m's 1x1 mesh is skipped; a batch that mesh.d=4 does not
     divide fails with the config error's fix; the table still comes, with both rows."""
@@ -167,6 +171,7 @@ def test_ladder_config_is_valid_and_as_large_as_its_model_file_says(name):
     assert math.isclose(stated, {"125m": 125e6, "350m": 350e6, "1b": 1e9, "2b": 2e9}[size], rel_tol=0.05)
 
 
+@pytest.mark.slow
 def test_compare_commits_times_a_commit_against_this_checkout():
     """bench/compare_commits.py imports a commit's train.py with that commit's own modules, next
     to this checkout's, and alternates their steps: against HEAD it prints both step times, the
@@ -191,6 +196,7 @@ def test_compare_commits_imports_the_base_with_its_own_modules(tmp_path):
     assert sys.modules["train"] is train and sys.modules["training_io"] is training_io and sys.modules["config"] is config
 
 
+@pytest.mark.slow
 def test_compare_commits_names_a_commit_that_does_not_exist():
     result = subprocess.run([sys.executable, "-m", "bench.compare_commits", "--base", "no-such-commit"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
