@@ -9,7 +9,7 @@ from jax import lax
 
 from fixtures import make_mesh
 from shardlib import shardops
-from shardlib.shardops import SpecError, all_gather, einsum_unreduced, index_unreduced, psum, psum_scatter
+from shardlib.shardops import SpecError, all_gather, all_gather_cast, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
 from shardlib.shardtypes import f32, i32, typed_shard_map
 
 rng = np.random.default_rng(0)
@@ -48,6 +48,35 @@ def test_all_gather_forward_and_gradient(mesh):
     value, grad = jax.jit(jax.value_and_grad(loss))(w, c)
     check_close(value, np.sum(w[None] * c))
     check_close(grad, c.sum(0))  # the transpose is a reduce-scatter over d
+
+
+def test_all_gather_cast_sends_bf16_and_sums_gradients_in_f32(mesh):
+    """The gathered weight is w rounded to bfloat16 (as the matmul would cast it), and its
+    gradient is the float32 sum over d of each device's bfloat16 cotangent: no bf16 sum."""
+    w, c = rand(8, 6), rand(4, 8, 6)
+    bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+
+    @typed_shard_map
+    def gathered(w: f32[b"M/d F/t"]) -> f32[b"X/d M F/t"]:
+        return all_gather_cast("M/d F/t -> M F/t", w, jnp.bfloat16).astype(jnp.float32)[None]
+
+    out = jax.jit(gathered)(w)
+    for i in range(4):
+        np.testing.assert_array_equal(np.asarray(out[i]), bf16(w))
+
+    @typed_shard_map
+    def loss(w: f32[b"M/d F/t"], c: f32[b"X/d M F/t"]) -> f32[b""]:
+        g = all_gather_cast("M/d F/t -> M F/t", w, jnp.bfloat16)
+        return lax.psum(jnp.sum(g * c[0].astype(jnp.bfloat16), dtype=jnp.float32), ("d", "t"))
+
+    grad = jax.jit(jax.grad(loss))(w, c)
+    assert grad.dtype == jnp.float32
+    check_close(grad, sum(bf16(c[i]) for i in range(4)))
+    text = jax.jit(jax.value_and_grad(loss)).lower(w, c).compile().as_text()
+    assert "u16[" in text and " all-gather(" in text  # two bytes a value on the wire
+    assert all("f32[" in line.split("=")[1].split("reduce-scatter(")[0] for line in text.splitlines() if " reduce-scatter(" in line)
+    with pytest.raises(SpecError, match="partial sums must be float32"):
+        all_gather_cast("M/d -> M", jnp.zeros(4, jnp.bfloat16), jnp.bfloat16)
 
 
 def test_all_gather_over_two_axes_of_one_dimension(mesh):
@@ -225,3 +254,33 @@ def test_psum_refuses_bf16_partials_and_sharded_axes():
         psum("B M/t", jnp.zeros((2, 3)), "t")
     with pytest.raises(SpecError, match="partial sums must be float32"):
         psum_scatter("B M -> B M/t", jnp.zeros((2, 4), jnp.bfloat16))
+
+
+def test_take_unreduced_forward_and_gradient(mesh):
+    """Each position's entry of a vocabulary split over t, summed over t: the full lookup, and
+    the gradient lands on exactly the picked entries."""
+    values, c = rand(8, 5, 16), rand(8, 5)
+    ids = rng.integers(0, 16, size=(8, 5)).astype(np.int32)
+
+    @typed_shard_map
+    def pick(values: f32[b"B/d L V/t"], ids: i32[b"B/d L"]) -> f32[b"B/d L"]:
+        return psum("B/d L", take_unreduced("B/d L V/t, B/d L -> B/d L", values, ids), "t")
+
+    expected = np.take_along_axis(values, ids[..., None], axis=-1)[..., 0]
+    check_close(jax.jit(pick)(values, ids), expected)
+    gradient = np.zeros_like(values)
+    np.put_along_axis(gradient, ids[..., None], c[..., None], axis=-1)
+    check_close(jax.jit(jax.grad(lambda v: jnp.sum(pick(v, ids) * c)))(values), gradient)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("B L V, B -> B", "the values' dims but the last are the indices' dims"),
+        ("B L V, B L -> B", "the values' dims but the last are the indices' dims"),
+        ("B L V, B L, B L -> B L", "needs two operands"),
+    ],
+)
+def test_malformed_take_specs(spec, message):
+    with pytest.raises(SpecError, match=message):
+        take_unreduced(spec, np.zeros((2, 2, 4), np.float32), np.zeros((2, 2), np.int32))
