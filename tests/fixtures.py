@@ -81,25 +81,25 @@ def forward_logits(h: config.ModelConfig):
     return logits
 
 
-def perturbed_weights(h: config.Config) -> train.Model:
+def perturbed_weights(cfg: config.Config) -> train.Model:
     """Initial weights with norm gains moved off 1, so that their gradients mean something."""
-    w = train.init_weights(h.model, jax.random.key(0))
+    w = train.init_weights(cfg.model, jax.random.key(0))
     key = jax.random.key(1)
     bump = lambda x, name: x + 0.2 * jax.random.normal(jax.random.fold_in(key, sum(map(ord, name))), x.shape)  # noqa: E731
     layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"), "ffn_norm": bump(w.layers.ffn_norm, "f")})
     return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
 
 
-def abstract_state(h: config.Config, mesh) -> train.State:
+def abstract_state(cfg: config.Config, mesh) -> train.State:
     """The state's shapes, dtypes and shardings on `mesh`, without any array."""
-    state = jax.eval_shape(lambda: train.init_state(h, mesh))
+    state = jax.eval_shape(lambda: train.init_state(cfg, mesh))
     return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state, make_shardings(train.State, mesh))
 
 
-def random_state(h: config.Config, mesh) -> train.State:
+def random_state(cfg: config.Config, mesh) -> train.State:
     """A state with every leaf drawn at random (Adam's second moment positive), on `mesh`."""
     rng = np.random.default_rng(0)
-    state = abstract_state(h, mesh)
+    state = abstract_state(cfg, mesh)
 
     def draw(part: str):
         positive = np.abs if part == "adam_nu" else np.asarray

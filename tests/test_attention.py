@@ -145,8 +145,8 @@ def test_blockwise_on_a_mesh_equals_unsharded():
 def test_forward_refuses_a_length_that_is_not_whole_blocks():
     """forward() with a sequence that attention_block does not divide stops with a ConfigError
     naming the key, before any computation (tiny config: blocks of 8)."""
-    h = tiny_config()
-    weights = jax.eval_shape(lambda: train.init_weights(h.model, jax.random.key(0)))
+    cfg = tiny_config()
+    weights = jax.eval_shape(lambda: train.init_weights(cfg.model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.uint32)
     with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide training.tokens.len=12"):
-        jax.eval_shape(lambda w, t: train.forward(h.model, w, t, jnp.zeros(t.shape, bool)), weights, tokens)
+        jax.eval_shape(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool)), weights, tokens)

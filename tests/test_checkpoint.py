@@ -83,22 +83,22 @@ def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression, monkeypatch):
 @pytest.mark.slow
 def test_restore_on_other_meshes_continues_training(tmp_path):
     """Save a state on 4x2; restore on 8x1, 2x4 and 1x1: the same bits and the same next loss."""
-    h = tiny_config()
-    host_batch = random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
+    cfg = tiny_config()
+    host_batch = random_batch(0, cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab)
 
     def next_loss(state, mesh):
         with jax.set_mesh(mesh):
-            return float(train.training_step(state, jnp.uint32(7), *put_batch(mesh, host_batch), h)[1].loss)
+            return float(train.training_step(state, jnp.uint32(7), *put_batch(mesh, host_batch), cfg)[1].loss)
 
     mesh = make_mesh(4, 2)
-    state = random_state(h, mesh)
+    state = random_state(cfg, mesh)
     checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(7, state)
     checkpointer.wait()
     expected_bytes, expected_loss = host_bytes(state), next_loss(state, mesh)
     for d, t in [(8, 1), (2, 4), (1, 1)]:
         mesh = make_mesh(d, t)
-        step, restored = checkpointer.restore(jax.eval_shape(lambda m=mesh: train.init_state(h, m)), make_shardings(train.State, mesh))
+        step, restored = checkpointer.restore(jax.eval_shape(lambda m=mesh: train.init_state(cfg, m)), make_shardings(train.State, mesh))
         assert step == 7 and host_bytes(restored) == expected_bytes, (d, t)
         loss = next_loss(restored, mesh)
         assert abs(loss - expected_loss) <= 1e-4 * abs(expected_loss), (d, t, loss, expected_loss)

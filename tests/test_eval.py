@@ -55,15 +55,15 @@ def test_eval_loss_steps_restart_mesh_and_reference(dataset, tmp_path):
         assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * abs(a["eval_loss"]), (a, b)
 
     # The final weights' eval_loss is the mean loss of validation batches 0 and 1, by the reference.
-    h8 = tiny_config(f"dataset.path={dataset}", *overrides(8, 1))
+    cfg8 = tiny_config(f"dataset.path={dataset}", *overrides(8, 1))
     mesh = make_mesh(8, 1)
     step, weights = runs.load_weights(str(run_dir), runs.load_run_config(str(run_dir)), mesh)
     assert step == 6
-    loader = make_loader(h8.dataset, open_flat_tokens(dataset), "validation", h8.training.tokens.batch, h8.training.tokens.len, mesh)
+    loader = make_loader(cfg8.dataset, open_flat_tokens(dataset), "validation", cfg8.training.tokens.batch, cfg8.training.tokens.len, mesh)
     batches = [jax.device_get(vars(loader.batch(i))) for i in range(2)]
     loader.close()
-    cfg = reference_config(h8.model)
-    weights = weights_to_dicts(jax.device_get(weights), h8.model.layers)
-    losses = [jax.jit(lambda w, b=b: reference_loss(w, cfg, b["targets"], b["is_seq_start"], b["loss_mask"]))(weights) for b in batches]
+    reference_cfg = reference_config(cfg8.model)
+    weights = weights_to_dicts(jax.device_get(weights), cfg8.model.layers)
+    losses = [jax.jit(lambda w, b=b: reference_loss(w, reference_cfg, b["targets"], b["is_seq_start"], b["loss_mask"]))(weights) for b in batches]
     expected = float(np.mean(losses))
     assert abs(again[1]["eval_loss"] - expected) <= 1e-4 * expected, (again[1]["eval_loss"], expected)

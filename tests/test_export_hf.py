@@ -41,40 +41,40 @@ def exported(tmp_path_factory):
     data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), str(root / "more.txt"), "--tokenizer", str(root / "tokenizer.json"),
                             "--eos-token", "</s>", "--validation-documents", "1")
 
-    h = tiny_config("model.n_kv=2", f"dataset.path={data}", f"paths.root_working_dir={root}")
+    cfg = tiny_config("model.n_kv=2", f"dataset.path={data}", f"paths.root_working_dir={root}")
     run_dir = root / "run"
     run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(h)))
-    weights = perturbed_weights(h)
-    checkpointer = Checkpointer(str(run_dir / "checkpoints"), h.checkpoints)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
+    weights = perturbed_weights(cfg)
+    checkpointer = Checkpointer(str(run_dir / "checkpoints"), cfg.checkpoints)
     checkpointer.save(3, train.State(weights, weights, weights))
     checkpointer.close()
     export_hf.main(["--run-dir", str(run_dir), "--output", str(root / "hf")])
-    return h, jax.device_get(weights), str(root / "hf"), data
+    return cfg, jax.device_get(weights), str(root / "hf"), data
 
 
-def seqax_logits(h, weights, inputs: np.ndarray) -> np.ndarray:
+def seqax_logits(cfg, weights, inputs: np.ndarray) -> np.ndarray:
     """train.forward on one document per row, on a 4x2 mesh."""
     mesh = make_mesh(4, 2)
     starts = np.zeros(inputs.shape, bool)
     starts[:, 0] = True
     with jax.set_mesh(mesh):
-        return np.asarray(forward_logits(h.model)(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
+        return np.asarray(forward_logits(cfg.model)(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
 
 
 def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
     import torch  # required (requirements-dev.txt); imported here so that collecting the fast tier does not pay for it
     import transformers
 
-    h, weights, hf_dir, _ = exported
+    cfg, weights, hf_dir, _ = exported
     model, info = transformers.LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True, dtype=torch.float32)
     assert not any(info.values()), info  # missing, unexpected and mismatched keys, errors
     rng = np.random.default_rng(0)
-    inputs = rng.integers(1, h.model.vocab, size=(4, 16)).astype(np.uint32)
+    inputs = rng.integers(1, cfg.model.vocab, size=(4, 16)).astype(np.uint32)
     inputs[:, 0] = 0  # begin of document
     with torch.no_grad():
         theirs = model(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
-    ours = seqax_logits(h, weights, inputs)
+    ours = seqax_logits(cfg, weights, inputs)
     diff = np.abs(theirs - ours)
     print(f"max |logit difference| {diff.max():.3g}, max |logit| {np.abs(ours).max():.3g}")
     assert np.all(diff <= ATOL + RTOL * np.abs(ours)), diff.max()

@@ -52,13 +52,13 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
     """What one layer of the tiny model on a 4x2 mesh keeps for its backward pass, written from
     the model's math: every residual is the layer's input, a weight or a constant, or one of
     the values listed here; nothing else is kept and nothing listed is recomputed."""
-    h = tiny_config()
+    cfg = tiny_config()
     mesh = make_mesh(4, 2)
-    B, L, M = h.training.tokens.batch // 4, h.training.tokens.len, h.model.d_model
-    Q, K, D, F = h.model.n_q_per_kv, h.model.n_kv // 2, h.model.d_head, h.model.d_ff // 2
-    N = L // h.model.attention_block
+    B, L, M = cfg.training.tokens.batch // 4, cfg.training.tokens.len, cfg.model.d_model
+    Q, K, D, F = cfg.model.n_q_per_kv, cfg.model.n_kv // 2, cfg.model.d_head, cfg.model.d_ff // 2
+    N = L // cfg.model.attention_block
     with jax.set_mesh(mesh):
-        lines, _ = memory.memory_annotations(h, mesh, abstract_state(h, mesh), partial(train.training_layer, h.model))
+        lines, _ = memory.memory_annotations(cfg, mesh, abstract_state(cfg, mesh), partial(train.training_layer, cfg.model))
     saved = [residual_shape(l) for l in lines if f"named '{SAVED_NAME}'" in l]
     others = [l for l in lines if f"named '{SAVED_NAME}'" not in l]
     assert all(re.search(r"from (the argument|a constant)", l) for l in others), others
@@ -69,7 +69,7 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
         ("bf16", (B, L, K, D)),  # k after RoPE, for the gradients of q
         ("bf16", (B, L, K, D)),  # v, for the gradients of the softmax weights
         ("bf16", (B, L, Q, K, D)),  # the attention's output: the out projection's weight gradient
-        ("f32", (N, B, Q, K, h.model.attention_block)),  # the log-sum-exp of every query's scores, to rebuild the softmax
+        ("f32", (N, B, Q, K, cfg.model.attention_block)),  # the log-sum-exp of every query's scores, to rebuild the softmax
         x,  # the residual stream after attention: the FFN norm's gradient
         ("bf16", (B, L, M)),  # the FFN's normalized input: the gate and up weight gradients
         ("bf16", (B, L, F)),  # gate, for silu's gradient

@@ -24,23 +24,23 @@ SMALL = ("model.n_kv=2", "model.layers=1")
 
 def make_problem(*overrides: str):
     """(config, weights, batch) of the tiny model changed by `overrides`."""
-    h = tiny_config(*overrides)
-    return h, jax.device_get(perturbed_weights(h)), random_batch(0, h.training.tokens.batch, h.training.tokens.len, h.model.vocab)
+    cfg = tiny_config(*overrides)
+    return cfg, jax.device_get(perturbed_weights(cfg)), random_batch(0, cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab)
 
 
-def reference_value_and_grad(h, weights, batch, matmul_dtype) -> tuple[float, dict]:
+def reference_value_and_grad(cfg, weights, batch, matmul_dtype) -> tuple[float, dict]:
     """tests/reference.py's loss and gradients with `matmul_dtype` matmul operands (float32: the exact math)."""
-    cfg = reference_config(h.model)
+    reference_cfg = reference_config(cfg.model)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reference, "bf16", matmul_dtype)
-        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, cfg, *batch)))(weights_to_dicts(weights, h.model.layers))
+        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, reference_cfg, *batch)))(weights_to_dicts(weights, cfg.model.layers))
     return float(loss), grads
 
 
 @pytest.fixture(scope="module")
 def problem():
-    h, weights, batch = make_problem()
-    return h, weights, batch, *reference_value_and_grad(h, weights, batch, jnp.bfloat16)
+    cfg, weights, batch = make_problem()
+    return cfg, weights, batch, *reference_value_and_grad(cfg, weights, batch, jnp.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def exact_reference(problem):
 
 @pytest.fixture(scope="module")
 def small_problem():
-    h, weights, batch = make_problem(*SMALL)
-    return h, weights, batch, *reference_value_and_grad(h, weights, batch, jnp.float32)
+    cfg, weights, batch = make_problem(*SMALL)
+    return cfg, weights, batch, *reference_value_and_grad(cfg, weights, batch, jnp.float32)
 
 
 def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
@@ -64,10 +64,10 @@ def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
     ]
 
 
-def sharded_loss_and_grads(h, mesh, weights, batch):
+def sharded_loss_and_grads(cfg, mesh, weights, batch):
     @typed_shard_map
     def on_device(w: train.Model, targets: u32[b"B/d L"], starts: bool_[b"B/d L"], mask: bool_[b"B/d L"]) -> tuple[f32[b""], train.Model]:
-        loss, grads = jax.value_and_grad(partial(train.model_loss, h.model))(w, targets, starts, mask)
+        loss, grads = jax.value_and_grad(partial(train.model_loss, cfg.model))(w, targets, starts, mask)
         return lax.psum(loss, "d"), grads
 
     with jax.set_mesh(mesh):
@@ -75,14 +75,14 @@ def sharded_loss_and_grads(h, mesh, weights, batch):
         return jax.device_get(jax.jit(on_device)(w, *put_batch(mesh, batch)))
 
 
-def assert_float32_equals_reference(h, weights, batch, exact_loss, exact_grads, d, t, monkeypatch):
+def assert_float32_equals_reference(cfg, weights, batch, exact_loss, exact_grads, d, t, monkeypatch):
     """With float32 matmul operands in both, the sharded model and the reference compute the
     same numbers up to the order of float32 sums: every sharding, mask, RoPE and attention
     block is checked to 1e-4 (bfloat16 rounding would hide errors below ~1e-2)."""
     monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
-    loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, batch)
+    loss, grads = sharded_loss_and_grads(cfg, make_mesh(d, t), weights, batch)
     assert abs(float(loss) - exact_loss) <= 1e-6 * abs(exact_loss), (float(loss), exact_loss)
-    for path, err in relative_errors(weights_to_dicts(grads, h.model.layers), exact_grads):
+    for path, err in relative_errors(weights_to_dicts(grads, cfg.model.layers), exact_grads):
         assert err < 1e-4, f"gradient {path}: relative L2 error {err:.2e} on mesh {d}x{t}"
 
 
@@ -104,11 +104,11 @@ def test_bfloat16_loss_and_gradients_are_as_accurate_as_reference(problem, exact
     1e-4, and the gradients are about as close to the exact ones as the bfloat16 reference's are
     (the two round at different points: blockwise attention rounds unnormalized softmax
     weights, the reference normalized ones). Measured on this tiny model: both 0.3-1.1e-2."""
-    h, weights, batch, ref_loss, ref_grads = problem
+    cfg, weights, batch, ref_loss, ref_grads = problem
     _, exact_grads = exact_reference
-    loss, grads = sharded_loss_and_grads(h, make_mesh(d, t), weights, batch)
+    loss, grads = sharded_loss_and_grads(cfg, make_mesh(d, t), weights, batch)
     assert abs(float(loss) - ref_loss) <= 1e-4 * abs(ref_loss), (float(loss), ref_loss)
-    ours = relative_errors(weights_to_dicts(grads, h.model.layers), exact_grads)
+    ours = relative_errors(weights_to_dicts(grads, cfg.model.layers), exact_grads)
     reference_mean = np.mean([err for _, err in relative_errors(ref_grads, exact_grads)])
     for path, err in ours:
         assert err < 1.5e-2, f"gradient {path}: relative L2 error {err:.2e} from exact on mesh {d}x{t}"
@@ -117,20 +117,20 @@ def test_bfloat16_loss_and_gradients_are_as_accurate_as_reference(problem, exact
 
 def test_reference_loss_is_near_log_vocab_at_init(small_problem):
     """Guards the reference itself: a broken reference could agree with a broken model."""
-    h, *_, ref_loss, _ = small_problem
-    assert abs(ref_loss - np.log(h.model.vocab)) < 2.0
+    cfg, *_, ref_loss, _ = small_problem
+    assert abs(ref_loss - np.log(cfg.model.vocab)) < 2.0
 
 
 @pytest.mark.slow
 def test_training_step_reports_reference_loss_and_grad_norm(problem):
-    h, weights, batch, ref_loss, ref_grads = problem
+    cfg, weights, batch, ref_loss, ref_grads = problem
     ref_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(ref_grads)))
     mesh = make_mesh(4, 2)
     with jax.set_mesh(mesh):
         shardings = make_shardings(train.State, mesh)
         zeros = jax.tree.map(np.zeros_like, weights)
         state = jax.device_put(train.State(weights, zeros, zeros), shardings)
-        new_state, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), h)
+        new_state, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), cfg)
     assert abs(float(metrics.loss) - ref_loss) <= 1e-4 * ref_loss
     assert abs(float(metrics.grad_norm) - ref_norm) <= 1e-2 * ref_norm
     assert new_state.weights.embed.sharding == shardings.weights.embed

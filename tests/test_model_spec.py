@@ -33,12 +33,12 @@ def problem():
     """Tiny config, weights with norm gains away from 1 (so that w vs 1 + w shows), and a batch
     of packed documents: several per row, rows 1 and 5 starting mid-document, padding (target 0,
     a start of its own, masked out) at the end of rows 2 and 6."""
-    h = tiny_config()
-    w = train.init_weights(h.model, jax.random.key(0))
+    cfg = tiny_config()
+    w = train.init_weights(cfg.model, jax.random.key(0))
     gains = lambda x, seed: x + 0.3 * jax.random.normal(jax.random.key(seed), x.shape)  # noqa: E731
     layers = train.Layer(**{**vars(w.layers), "attn_norm": gains(w.layers.attn_norm, 1), "ffn_norm": gains(w.layers.ffn_norm, 2)})
     weights = jax.device_get(train.Model(w.embed, layers, gains(w.final_norm, 3), w.unembed))
-    B, L, V = h.training.tokens.batch, h.training.tokens.len, h.model.vocab
+    B, L, V = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab
     rng = np.random.default_rng(0)
     targets = rng.integers(1, V, size=(B, L)).astype(np.uint32)
     starts = np.zeros((B, L), bool)
@@ -47,7 +47,7 @@ def problem():
     mask = np.ones((B, L), bool)
     mask[[2, 6], -4:] = False
     targets[~mask], starts[~mask] = 0, True
-    return h, weights, (targets, starts, mask)
+    return cfg, weights, (targets, starts, mask)
 
 
 def as_dict(model: train.Model) -> dict:
@@ -56,14 +56,14 @@ def as_dict(model: train.Model) -> dict:
     return {name: np.asarray(x, np.float64) for name, x in named.items()}
 
 
-def ours(h, mesh, weights, batch):
+def ours(cfg, mesh, weights, batch):
     """train.forward's logits and train.model_loss's loss, float32 matmuls, on `mesh`."""
     targets, starts, mask = batch
 
     @typed_shard_map
     def on_device(w: train.Model, targets: u32[b"B/d L"], starts: bool_[b"B/d L"], mask: bool_[b"B/d L"]) -> tuple[f32[b"B/d L V/t"], f32[b""]]:
         inputs = jnp.where(starts, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
-        return train.forward(h.model, w, inputs, starts), lax.psum(train.model_loss(h.model, w, targets, starts, mask), "d")
+        return train.forward(cfg.model, w, inputs, starts), lax.psum(train.model_loss(cfg.model, w, targets, starts, mask), "d")
 
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))
@@ -74,10 +74,10 @@ def ours(h, mesh, weights, batch):
 
 @pytest.mark.parametrize("d,t", [(1, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_numpy_model_of_the_doc_gives_our_logits_and_loss(spec, problem, d, t, monkeypatch):
-    h, weights, (targets, starts, mask) = problem
+    cfg, weights, (targets, starts, mask) = problem
     monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
-    logits, loss = ours(h, make_mesh(d, t), weights, (targets, starts, mask))
-    w, base, eps = as_dict(weights), h.model.rope_base, h.model.norm_eps
+    logits, loss = ours(cfg, make_mesh(d, t), weights, (targets, starts, mask))
+    w, base, eps = as_dict(weights), cfg.model.rope_base, cfg.model.norm_eps
     inputs = spec["model_inputs"](targets.astype(np.int64), starts)
     want_logits = spec["forward"](w, inputs, starts, base, eps)
     want_loss = spec["loss"](w, targets.astype(np.int64), starts, mask, base, eps)
@@ -90,8 +90,8 @@ def test_numpy_model_of_the_doc_gives_our_logits_and_loss(spec, problem, d, t, m
 def test_the_doc_model_notices_a_wrong_convention(spec, problem):
     """The check has teeth: the doc's model with 1 + w norms, or without the document mask,
     is far outside the tolerance."""
-    h, weights, (targets, starts, mask) = problem
-    w, base, eps = as_dict(weights), h.model.rope_base, h.model.norm_eps
+    cfg, weights, (targets, starts, mask) = problem
+    w, base, eps = as_dict(weights), cfg.model.rope_base, cfg.model.norm_eps
     inputs = spec["model_inputs"](targets.astype(np.int64), starts)
     right = spec["forward"](w, inputs, starts, base, eps)
     one_plus = {name: x + 1 if name.endswith("norm") else x for name, x in w.items()}

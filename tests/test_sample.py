@@ -25,8 +25,8 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model():
-    h = tiny_config("model.n_kv=2")
-    return h.model, jax.device_get(train.init_weights(h.model, jax.random.key(0)))
+    cfg = tiny_config("model.n_kv=2")
+    return cfg.model, jax.device_get(train.init_weights(cfg.model, jax.random.key(0)))
 
 
 def greedy_without_cache(h: config.ModelConfig, weights, mesh, prompt: list[int], steps: int) -> list[int]:

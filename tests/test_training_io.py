@@ -82,13 +82,13 @@ def test_formula_agrees_with_xla_cost_analysis_for_one_layer():
     above the formula, and by less than 10% (+2.9% here: L=64 keeps attention small and
     d_model=256 keeps the elementwise work small next to the matmuls). One attention block of
     L positions: with more, the attention's block loop would be counted once too."""
-    h = load_config("local_test_synthetic", ["+paths.model_name=flops", "model.layers=1", "model.attention_block=64"])
-    mesh = make_mesh(h.mesh.d, h.mesh.t)
+    cfg = load_config("local_test_synthetic", ["+paths.model_name=flops", "model.layers=1", "model.attention_block=64"])
+    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
     with jax.set_mesh(mesh):
-        compiled = train.compile_training_step(h, abstract_state(h, mesh), mesh)
+        compiled = train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh)
     cost = compiled.cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"] * jax.device_count()
-    formula = train.model_flops_per_token(h.model, h.training.tokens.len) * h.training.tokens.batch * h.training.tokens.len
+    formula = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * cfg.training.tokens.batch * cfg.training.tokens.len
     assert 1.0 <= xla / formula <= 1.10, (xla, formula)
 
 
@@ -158,18 +158,18 @@ def test_memory_report_follows_save_for_backward(monkeypatch):
     """A value marked with save_for_backward shows up in the estimate by itself. Here the
     sigmoid of the SwiGLU gate (bf16 [B/d, L, F/t], which the backward pass needs and now
     recomputes) is marked too."""
-    h = tiny_config()
+    cfg = tiny_config()
     mesh = make_mesh(4, 2)
-    state = abstract_state(h, mesh)
+    state = abstract_state(cfg, mesh)
     with jax.set_mesh(mesh):
         # A new function object each time: JAX caches the trace of a checkpointed function by its identity.
-        before = memory.memory_estimate(state, h.model.layers, *memory.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
+        before = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)))
         sigmoid = jax.nn.sigmoid
         monkeypatch.setattr(jax.nn, "sigmoid", lambda x: save_for_backward(sigmoid(x)))
-        after = memory.memory_estimate(state, h.model.layers, *memory.memory_annotations(h, mesh, state, partial(train.training_layer, h.model)))
+        after = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)))
     saved = lambda terms: next(size for name, size in terms[0] if name.startswith("saved for backward"))  # noqa: E731
-    B, L, F = h.training.tokens.batch // 4, h.training.tokens.len, h.model.d_ff // 2
-    assert saved(after) - saved(before) == B * L * F * 2 * h.model.layers
+    B, L, F = cfg.training.tokens.batch // 4, cfg.training.tokens.len, cfg.model.d_ff // 2
+    assert saved(after) - saved(before) == B * L * F * 2 * cfg.model.layers
     assert len(after[1]) == len(before[1]) + 1
 
 
