@@ -169,3 +169,13 @@ def run_processes(script: str, n: int, *args: str, timeout: int = 120) -> list[s
     outputs = [p.communicate(timeout=timeout)[0] for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs
     return outputs
+
+
+def snapshot(path) -> dict:
+    """Every file under `path` with its bytes: the disk as a test can compare it before and after."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
+    return out

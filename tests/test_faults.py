@@ -17,21 +17,12 @@ import memory
 import train
 from config import ConfigError, DatasetConfig, DatasetError, load_config, validate_config
 from data_loader import make_loader
-from fixtures import abstract_state, make_mesh, tiny_config
+from fixtures import abstract_state, make_mesh, snapshot, tiny_config
 from flat_tokens import open_flat_tokens, write_flat_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 256
 
-
-def snapshot(path) -> dict:
-    """Every file under `path` with its bytes: the disk as a test can compare it."""
-    out = {}
-    for d, _, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
-    return out
 
 
 def documents(n: int, seed: int) -> list[np.ndarray]:

@@ -13,19 +13,12 @@ import pytest
 
 import run_lock
 from config import ConfigError
+from fixtures import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "training.tokens.batch=8",
          "training.steps=12", "checkpoint_interval=4", "eval_batches=0"]
 
-
-def snapshot(path) -> dict:
-    out = {}
-    for d, _, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
-    return out
 
 
 def start_train(root, name: str, dataset: str) -> subprocess.Popen:

@@ -14,18 +14,10 @@ import sample
 import train
 from checkpoint import Checkpointer
 from config import ConfigError, load_config
+from fixtures import snapshot
 from flat_tokens import write_flat_tokens
 from tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf
-
-
-def snapshot(path) -> dict:
-    out = {}
-    for d, _, files in os.walk(path):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
-    return out
 
 
 @pytest.fixture(scope="module")
