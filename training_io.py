@@ -71,7 +71,8 @@ def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     devices = jax.local_devices()
     mesh = jax.sharding.Mesh(np.array(devices), ("all",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("all"))
-    a = jax.device_put(jnp.ones((len(devices) * n, n), jnp.bfloat16), sharding)
+    # From host memory: jnp.ones would follow the caller's mesh, which spans other processes.
+    a = jax.device_put(np.ones((len(devices) * n, n), jnp.bfloat16), sharding)
     matmul = jax.shard_map(lambda x: jnp.matmul(x, x[:n].T, preferred_element_type=jnp.float32), mesh=mesh,
                            in_specs=jax.sharding.PartitionSpec("all"), out_specs=jax.sharding.PartitionSpec("all"))
     f = jax.jit(matmul)
