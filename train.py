@@ -418,7 +418,6 @@ def train(cfg: Config, resolved_yaml: str):
         loader = opened.enter_context(contextlib.closing(make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)))
         opened.enter_context(run_lock.hold(run_dir))  # one writer per run directory, before anything there is read or written
         opened.enter_context(jax.set_mesh(mesh))
-        preemption = opened.enter_context(PreemptionWatch())
         checkpointer = opened.enter_context(contextlib.closing(Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)))
         # A checkpoint that does not fit the config stops the run here, before anything but the lock is written.
         restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
@@ -430,6 +429,9 @@ def train(cfg: Config, resolved_yaml: str):
         log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
         log.communication_report(step_fn, communication_per_step(cfg))
+        # From here SIGTERM asks for a checkpoint after the next step; before, there was no new
+        # step to save and it stopped the run at once (multihost.exit_on_sigterm).
+        preemption = opened.enter_context(PreemptionWatch())
         for step in range(start, cfg.training.steps):
             batch = loader.batch(step)
             log.before_step(step, state)  # the profiler trace covers two steps after the first
