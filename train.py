@@ -102,15 +102,18 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
     the mesh (threefry is partitionable)."""
     M, Q, K, D, F, V, n = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab, h.layers
 
-    def normal(name, shape, fan_in):
-        return jax.random.normal(fold_in_str(key, name), shape, jnp.float32) / math.sqrt(fan_in)
+    # `drawn_as` merges a dimension that no mesh axis splits into its left neighbour: the same
+    # values (threefry numbers the elements in row-major order) and the same shard on each
+    # device, but XLA:CPU compiles the rank-3 draw in a fifth of the time of a rank-5 one.
+    def normal(name, shape, fan_in, drawn_as=None):
+        return jax.random.normal(fold_in_str(key, name), drawn_as or shape, jnp.float32).reshape(shape) / math.sqrt(fan_in)
 
     layers = Layer(
         attn_norm=jnp.ones((n, M)),
-        w_q=normal("w_q", (n, M, Q, K, D), M),
-        w_k=normal("w_k", (n, M, K, D), M),
-        w_v=normal("w_v", (n, M, K, D), M),
-        w_o=normal("w_o", (n, Q, K, D, M), Q * K * D),
+        w_q=normal("w_q", (n, M, Q, K, D), M, drawn_as=(n, M * Q, K * D)),
+        w_k=normal("w_k", (n, M, K, D), M, drawn_as=(n, M, K * D)),
+        w_v=normal("w_v", (n, M, K, D), M, drawn_as=(n, M, K * D)),
+        w_o=normal("w_o", (n, Q, K, D, M), Q * K * D, drawn_as=(n * Q, K * D, M)),
         ffn_norm=jnp.ones((n, M)),
         w_gate=normal("w_gate", (n, M, F), M),
         w_up=normal("w_up", (n, M, F), M),
