@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import tokenizers
 from omegaconf import OmegaConf
 
 import sample
@@ -116,7 +117,6 @@ def test_sample_refuses_invalid_utf8(run_dir, capsys):
 
 
 def test_sample_refuses_a_prompt_its_tokenizer_cannot_encode():
-    tokenizers = pytest.importorskip("tokenizers")
     vocab = {"[UNK]": 0, "a": 1, "b": 2, " ": 3}
     model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     model.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")  # a token per character

@@ -11,16 +11,13 @@ import struct
 import types
 
 import jax.numpy as jnp
-import pytest
 import yaml
+from wandb.proto import wandb_internal_pb2
 
 import config
 import train
 import training_io
 import wandb_log
-
-pytest.importorskip("wandb")
-from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 CONFIG_YAML = "model:\n  d_model: 8\ntraining:\n  steps: 8\nlogging:\n  wandb_project: seqax-test\n  wandb_entity: ''\n"
 
