@@ -4,8 +4,11 @@ the given files (text, jsonl and parquet alike), and train exactly those of the 
 import json
 import os
 
+import numpy as np
 import pytest
 
+import train
+from fixtures import make_mesh, tiny_config
 from flat_tokens import open_flat_tokens
 from tokenizer import dataset_tokenizer
 from tools import prepare_dataset
@@ -98,3 +101,23 @@ def test_empty_validation_files_are_one_error(tmp_path, capsys):
     empty.write_text("")
     line = one_error(inputs + ["--validation-inputs", str(empty), "--output", str(tmp_path / "out.zarr")], capsys)
     assert line.startswith("prepare_dataset: error: ") and "validation split would be empty" in line
+
+
+def test_a_runs_evaluation_batches_hold_only_the_validation_documents(tmp_path):
+    """What eval_loss averages over (train.evaluation_batches, as a run reads them): every
+    document piece in them is text of a validation file, none of a training input."""
+    inputs, held = write_files(tmp_path)
+    out = str(tmp_path / "out.zarr")
+    run(inputs + ["--validation-inputs", *held, "--output", out])
+    cfg = tiny_config(f"dataset.path={out}", "model.vocab=512", "eval_batches=2", "training.tokens.batch=4", "training.tokens.len=64")
+    tokenizer = dataset_tokenizer(out)
+    pieces = []
+    for batch in train.evaluation_batches(cfg, open_flat_tokens(out), make_mesh(1, 1)):
+        targets, starts, mask = (np.asarray(a) for a in (batch.targets, batch.is_seq_start, batch.loss_mask))
+        for row in range(targets.shape[0]):
+            cuts = [i for i in range(targets.shape[1]) if starts[row, i]] + [targets.shape[1]]
+            pieces += [tokenizer.decode(targets[row, a:b][mask[row, a:b]]) for a, b in zip([0] + cuts, cuts) if b > a]
+    long_pieces = [p for p in pieces if len(p) >= 8]
+    assert len("".join(long_pieces)) > 300, pieces  # two batches of 4 x 64 tokens: mostly long pieces
+    validation_text = "\n".join(HELD_OUT["txt"] + HELD_OUT["jsonl"] + HELD_OUT["parquet"])
+    assert all(p in validation_text and not any(p in d for d in TRAIN) for p in long_pieces), long_pieces
