@@ -24,13 +24,32 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorboardX
 import yaml
 
 import communication
 import hlo_graph
 import memory
 from wandb_log import WandbLog
+
+
+def _import_tensorboardx():
+    """tensorboardX imports torch whenever torch is installed, only to accept torch tensors: 2-3 s
+    of every run's start-up where it is (the test environment, many researchers' machines). We
+    log Python floats, so unless torch is already loaded, tensorboardX is imported with torch
+    hidden (a module set to None in sys.modules fails to import, which tensorboardX expects);
+    torch imports as usual afterwards."""
+    if "torch" in sys.modules:
+        import tensorboardX
+        return tensorboardX
+    sys.modules["torch"] = None
+    try:
+        import tensorboardX
+    finally:
+        del sys.modules["torch"]
+    return tensorboardX
+
+
+tensorboardX = _import_tensorboardx()
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs and peak rates. The model's FLOPs per token are train.model_flops_per_token, passed in.
