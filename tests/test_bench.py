@@ -66,6 +66,7 @@ def test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row(tmp_path):
     assert "1 x cpu (cpu)" in result.stderr  # what the check found
 
 
+@pytest.mark.slow  # gpu.sh in bash with pip (about 2 s)
 def test_gpu_sh_fails_fast_naming_a_missing_package(tmp_path):
     fake = tmp_path / "site" / "hydra"
     fake.mkdir(parents=True)
@@ -88,6 +89,7 @@ def test_gpu_sh_fails_fast_on_an_old_jax(tmp_path):
     assert_fails_fast_with_one_line(result, seconds, "jax 0.4.30 is too old", ">= 0.10")
 
 
+@pytest.mark.slow  # gpu.sh in bash with pip (about 2 s)
 def test_gpu_sh_fails_fast_on_wheels_that_do_not_install(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()

@@ -220,6 +220,7 @@ def test_prepare_dataset_refuses_an_output_that_is_or_holds_an_input(tmp_path, c
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow  # compiles a whole training step (about 10 s)
 def test_a_step_that_cannot_fit_the_free_memory_is_one_line(monkeypatch):
     """The compiled step of a tiny config, against a host with 1 MiB free: one line naming both
     sizes and the keys to lower, before any step runs."""

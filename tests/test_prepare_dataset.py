@@ -105,6 +105,7 @@ def test_bpe_round_trip(tmp_path):
     assert decoded(out)["validation"] == decoded(bytes_out)["validation"]  # the choice does not depend on the tokenizer
 
 
+@pytest.mark.slow  # the datasets library's start-up (about 4 s)
 def test_hugging_face_streaming_from_local_files(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     path = write_inputs(tmp_path / "in", "jsonl")[0]

@@ -11,6 +11,7 @@ import struct
 import types
 
 import jax.numpy as jnp
+import pytest
 import yaml
 from wandb.proto import wandb_internal_pb2
 
@@ -90,6 +91,7 @@ def by_step(lines: list[dict]) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.slow  # two W&B offline runs (about 3 s)
 def test_wandb_gets_the_metrics_lines_and_config_and_a_restart_resumes_the_same_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
