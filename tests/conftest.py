@@ -25,6 +25,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 # program is the same program: losses, reports and files do not change.
 COMPILATION_CACHE = tempfile.mkdtemp(prefix="seqax-tests-jax-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"  # also what modules compile again after jax.clear_caches()
 atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
