@@ -86,7 +86,8 @@ def assert_float32_equals_reference(cfg, weights, batch, exact_loss, exact_grads
         assert err < 1e-4, f"gradient {path}: relative L2 error {err:.2e} on mesh {d}x{t}"
 
 
-@pytest.mark.parametrize("d,t", [(1, 1), (4, 2)])
+# The sharded case in the fast tier; the slow tier also checks every mesh of 8 devices.
+@pytest.mark.parametrize("d,t", [pytest.param(1, 1, marks=pytest.mark.slow), (4, 2)])
 def test_float32_loss_and_gradients_of_a_small_model_equal_reference(small_problem, d, t, monkeypatch):
     assert_float32_equals_reference(*small_problem, d, t, monkeypatch)
 
