@@ -104,7 +104,7 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
 
     # `drawn_as` merges a dimension that no mesh axis splits into its left neighbour: the same
     # values (threefry numbers the elements in row-major order) and the same shard on each
-    # device, but XLA:CPU compiles the rank-3 draw in a fifth of the time of a rank-5 one.
+    # device, but XLA:CPU compiles a rank-5 draw several times slower (seconds per array).
     def normal(name, shape, fan_in, drawn_as=None):
         return jax.random.normal(fold_in_str(key, name), drawn_as or shape, jnp.float32).reshape(shape) / math.sqrt(fan_in)
 
