@@ -20,7 +20,7 @@ import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 # One persistent compilation cache for the session (and the child processes it starts), in a new
-# folder removed at the end: some 40 child runs train the same few tiny configs and would each
+# folder removed at the end: about 60 child runs train a few tiny configs and would each
 # compile the same step, init and eval programs again (about 15 s a run on 2 cores). A cached
 # program is the same program: losses, reports and files do not change.
 COMPILATION_CACHE = tempfile.mkdtemp(prefix="seqax-tests-jax-cache-")
