@@ -3,11 +3,14 @@
     dense_attention        every score materialized: the oracle for tests and benchmarks, and
                            sample.py's attention of new tokens over its KV cache (L is small)
     causal_document_mask   which keys each query may see: not later, and in the same document
-    blockwise_attention    the training kernel: blocks, online softmax, a hand-written backward
+    ring_attention         the training kernel: blocks, online softmax, key and value blocks
+                           passed around the devices of mesh axis c, a hand-written backward
 
 Shapes (per device inside shard_map, as train.py's legend names them): q [B, L, Q, K, D],
 k and v [B, S, K, D], doc_start [B, L] (where each token's document starts, train.py's
-document_positions). Scores accumulate in float32 whatever the operands' dtype.
+document_positions) and, for ring_attention, row_position [L] (where each of the device's
+tokens sits in the row: with context parallelism a device holds two chunks of each row, see
+docs/context-parallel.md). Scores accumulate in float32 whatever the operands' dtype.
 """
 
 from functools import partial
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_extra import save_for_backward
-from shardlib.shardops import einsum_unreduced
+from shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
 
 def causal_document_mask(q_position, k_position, q_doc_start, k_doc_start):
@@ -39,12 +42,18 @@ def dense_attention(q, k, v, mask):
     return einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v).astype(q.dtype)
 
 
-# Attention by blocks (the algorithm of FlashAttention, Dao et al. 2022, in XLA ops). The
-# sequence is cut into N blocks of `attention_block` positions. Query block i visits key blocks
-# i, i-1, ... in a loop, one pair at a time, so only one pair's scores [B, Q, K, L, S] exist at
-# once (L, S: positions within a block), and it stops at the first block that any of its
-# queries' documents reaches: blocks above the diagonal (the future) and blocks of earlier
-# documents only are never computed.
+# Attention by blocks (the algorithm of FlashAttention, Dao et al. 2022, in XLA ops) around a
+# ring (Liu et al. 2023, "Ring attention with blockwise transformers"). Each device holds the
+# queries, keys and values of its positions of every row, cut into blocks of `attention_block`
+# positions; a block is a contiguous run of row positions, so it has a row-wide index
+# (position // block). The keys and values go round the c devices of the ring: at ring step s a
+# device holds those of the device s places before it, and every query block visits, one pair
+# at a time, the blocks of that shard it must see: not after it, and not wholly before the
+# start of the earliest document among its queries. Only one pair's scores [B, Q, K, L, S]
+# exist at once (L, S: positions within a block); future blocks and blocks of earlier
+# documents only are never computed. With c = 1 the ring is one step over the device's own keys.
+
+KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")  # what travels: k, v, doc_start, row_position
 
 
 def to_blocks(x, block: int):
@@ -63,107 +72,159 @@ def add_to_block(blocks, j, update):
     return lax.dynamic_update_index_in_dim(blocks, lax.dynamic_index_in_dim(blocks, j, keepdims=False) + update, j, 0)
 
 
-def block_scores(q_block, k_block, q_doc_start, k_doc_start, i, j):
-    """Scaled scores [B, Q, K, L, S] (float32) of query block i, q_block [B, L, Q, K, D], against
-    key block j, k_block [B, S, K, D]; -1e30 (softmax weight 0) where the key lies in another
-    document (doc_start: where each token's document starts) or after the query."""
-    block = q_block.shape[1]
+def block_scores(q_block, k_block, q_doc_start, k_doc_start, q_position, k_position):
+    """Scaled scores [B, Q, K, L, S] (float32) of a query block q_block [B, L, Q, K, D] against a
+    key block k_block [B, S, K, D]; -1e30 (softmax weight 0) where the key lies in another
+    document (doc_start: where each token's document starts) or after the query (position: in
+    the row, [L] and [S])."""
     scores = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q_block, k_block) * (q_block.shape[-1] ** -0.5)
-    visible = causal_document_mask(i * block + jnp.arange(block), j * block + jnp.arange(block), q_doc_start, k_doc_start)
+    visible = causal_document_mask(q_position, k_position, q_doc_start, k_doc_start)
     return jnp.where(visible[:, None, None], scores, -1e30)
 
 
-def key_blocks_to_visit(doc_start_blocks, block: int):
-    """For each query block i, how many key blocks it visits, from i back to the block holding
-    the start of the earliest document among its queries (the block's first position, in any
-    row): earlier keys are in other documents for every query of the block."""
-    first_key_block = (jnp.min(doc_start_blocks[:, :, 0], axis=1) // block).astype(jnp.int32)  # [N]
-    return jnp.arange(doc_start_blocks.shape[0]) - first_key_block + 1
+def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block: int):
+    """For each query block n, the key blocks [first[n], stop[n]) of a shard that it visits. The
+    shard's blocks are in row order (a device's chunks are), so those are the ones from the
+    block holding the start of the earliest document among the query block's queries (its first
+    position, in any row: earlier keys are in other documents for every query of the block)
+    up to the query block itself."""
+    q_index = (q_position_blocks[:, 0] // block).astype(jnp.int32)  # [N] row-wide block index
+    earliest = (jnp.min(q_start_blocks[:, :, 0], axis=1) // block).astype(jnp.int32)  # [N]
+    k_index = (k_position_blocks[:, 0] // block).astype(jnp.int32)  # [M], ascending
+    first = jnp.sum(k_index[None, :] < earliest[:, None], axis=1)
+    stop = jnp.sum(k_index[None, :] <= q_index[:, None], axis=1)
+    return first, stop
 
 
-def blockwise_attention_forward(q, k, v, doc_start, block: int):
-    """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
-    scores [N, B, Q, K, L] (float32), by online softmax (Milakov & Gimelshein 2018): each
-    query keeps a running max, the sum of exp(score - max) and the sum of its weighted values,
-    rescaled whenever the max grows."""
-    q_blocks, k_blocks, v_blocks, start_blocks = (to_blocks(x, block) for x in (q, k, v, doc_start))
-    visits = key_blocks_to_visit(start_blocks, block)
+def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block: int):
+    """One ring step of the forward pass: every query block against the blocks it must see of
+    the key and value shard kv = (k, v, doc_start, row_position), by online softmax (Milakov &
+    Gimelshein 2018): each query keeps a running max, the sum of exp(score - max) and the sum
+    of its weighted values (carry, for all query blocks), rescaled whenever the max grows."""
+    k, v, k_start, k_position = kv
+    k_blocks, v_blocks, k_start_blocks = (to_blocks(x, block) for x in (k, v, k_start))
+    k_position_blocks = k_position.reshape(-1, block)
+    first, stop = key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block)
 
-    def attend(i):
-        q_i, start_i = q_blocks[i], start_blocks[i]
+    def attend(n_and_carry):
+        n, carry = n_and_carry
+        q_n, start_n, position_n = q_blocks[n], q_start_blocks[n], q_position_blocks[n]
 
         def add_key_block(step, carry):
             running_max, denominator, numerator = carry
-            j = i - step
-            scores = block_scores(q_i, k_blocks[j], start_i, start_blocks[j], i, j)
+            j = stop[n] - 1 - step  # from the nearest block back
+            scores = block_scores(q_n, k_blocks[j], start_n, k_start_blocks[j], position_n, k_position_blocks[j])
             new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
             rescale = jnp.exp(running_max - new_max)
             weights = jnp.exp(scores - new_max[..., None])
             weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v.dtype), v_blocks[j])
             return new_max, denominator * rescale + jnp.sum(weights, axis=-1), numerator * rescale[..., None] + weighted_values
 
-        # The diagonal block comes first and every query sees itself there, so the running max
-        # is a real score from the first step on and later fully masked rows add exactly 0.
-        # (full_like and zeros_like: the loop's carry varies over the same mesh axes as q.)
-        B, L, Q, K, D = q_i.shape
-        running_max = jnp.full_like(q_i, -1e30, jnp.float32, (B, Q, K, L))
-        carry = (running_max, jnp.zeros_like(running_max), jnp.zeros_like(q_i, jnp.float32, (B, Q, K, L, D)))
-        running_max, denominator, numerator = lax.fori_loop(0, visits[i], add_key_block, carry)
-        o_i = einsum_unreduced("B/d Q K/t L D -> B/d L Q K/t D", numerator / denominator[..., None])
-        return o_i.astype(q.dtype), running_max + jnp.log(denominator)
+        return lax.fori_loop(0, stop[n] - first[n], add_key_block, carry)
 
-    o_blocks, log_sum_exp = lax.map(attend, jnp.arange(q_blocks.shape[0]))
-    return from_blocks(o_blocks), log_sum_exp
+    return lax.map(attend, (jnp.arange(q_blocks.shape[0]), carry))
 
 
-def blockwise_attention_backward(block: int, saved, do):
-    """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D], over the same block
-    pairs as the forward pass. Each pair's softmax weights P are recomputed from its scores and
-    the saved log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
-    q, k, v, o, log_sum_exp, doc_start = saved
-    q_blocks, k_blocks, v_blocks, do_blocks, start_blocks = (to_blocks(x, block) for x in (q, k, v, do, doc_start))
-    # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP.
-    delta_blocks = to_blocks(einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o), block)
-    visits = key_blocks_to_visit(start_blocks, block)
-    scale = q.shape[-1] ** -0.5
+def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
+    """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
+    scores [N, B, Q, K, L] (float32), over c ring steps."""
+    q_blocks, q_start_blocks = to_blocks(q, block), to_blocks(doc_start, block)
+    q_position_blocks = row_position.reshape(-1, block)
+    # Ring step 0 is the device's own shard, whose nearest block to each query block is the
+    # diagonal one, where every query sees itself: the running max is a real score from the
+    # first pair on, and later fully masked rows add exactly 0 (exp(-1e30 - max)). (full_like
+    # and zeros_like: the carry varies over the same mesh axes as q.)
+    N, B, L, Q, K, D = q_blocks.shape
+    running_max = jnp.full_like(q_blocks, -1e30, jnp.float32, (N, B, Q, K, L))
+    carry = (running_max, jnp.zeros_like(running_max), jnp.zeros_like(q_blocks, jnp.float32, (N, B, Q, K, L, D)))
 
-    def backward_query_block(dk_dv, i):
-        q_i, do_i, start_i = q_blocks[i], do_blocks[i], start_blocks[i]
-        delta_i = jnp.moveaxis(delta_blocks[i], 1, 3)  # [B, Q, K, L]
+    def ring_step(carry_and_kv, _):
+        carry, kv = carry_and_kv
+        arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))  # sent before this step's work: the transfer can overlap it
+        return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
+
+    ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, (k, v, doc_start, row_position)), None, length=axis_size("c"))
+    o_blocks = einsum_unreduced("N B/d Q K/t L D -> N B/d L Q K/t D", numerator / denominator[..., None])
+    return from_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
+
+
+def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block: int):
+    """One ring step of the backward pass, over the same block pairs as the forward pass: this
+    device's share of dq [N, B, L, Q, K, D] and of the visiting shard's dk, dv [B, S, K, D]
+    (float32). Each pair's softmax weights P are recomputed from its scores and the saved
+    log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
+    k, v, k_start, k_position = kv
+    k_blocks, v_blocks, k_start_blocks = (to_blocks(x, block) for x in (k, v, k_start))
+    k_position_blocks = k_position.reshape(-1, block)
+    first, stop = key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block)
+    scale = q_blocks.shape[-1] ** -0.5
+
+    def backward_query_block(dk_dv, n):
+        q_n, do_n, start_n, position_n = q_blocks[n], do_blocks[n], q_start_blocks[n], q_position_blocks[n]
+        delta_n = jnp.moveaxis(delta_blocks[n], 1, 3)  # [B, Q, K, L]
 
         def add_key_block(step, carry):
-            dq_i, dk, dv = carry
-            j = i - step
-            scores = block_scores(q_i, k_blocks[j], start_i, start_blocks[j], i, j)
-            weights = jnp.exp(scores - log_sum_exp[i][..., None])
-            dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v.dtype), do_i))
-            d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_i, v_blocks[j])
-            d_scores = (weights * (d_weights - delta_i[..., None]) * scale).astype(q.dtype)
-            dk = add_to_block(dk, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", d_scores, q_i))
-            return dq_i + einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", d_scores, k_blocks[j]), dk, dv
+            dq_n, dk, dv = carry
+            j = stop[n] - 1 - step
+            scores = block_scores(q_n, k_blocks[j], start_n, k_start_blocks[j], position_n, k_position_blocks[j])
+            weights = jnp.exp(scores - log_sum_exp[n][..., None])
+            dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v.dtype), do_n))
+            d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_n, v_blocks[j])
+            d_scores = (weights * (d_weights - delta_n[..., None]) * scale).astype(q_blocks.dtype)
+            dk = add_to_block(dk, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", d_scores, q_n))
+            return dq_n + einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", d_scores, k_blocks[j]), dk, dv
 
-        dq_i, dk, dv = lax.fori_loop(0, visits[i], add_key_block, (jnp.zeros_like(q_i, jnp.float32), *dk_dv))
-        return (dk, dv), dq_i
+        dq_n, dk, dv = lax.fori_loop(0, stop[n] - first[n], add_key_block, (jnp.zeros_like(q_n, jnp.float32), *dk_dv))
+        return (dk, dv), dq_n
 
     dk_dv = (jnp.zeros_like(k_blocks, jnp.float32), jnp.zeros_like(v_blocks, jnp.float32))
     (dk, dv), dq = lax.scan(backward_query_block, dk_dv, jnp.arange(q_blocks.shape[0]))
-    return from_blocks(dq).astype(q.dtype), from_blocks(dk).astype(k.dtype), from_blocks(dv).astype(v.dtype), None
+    return dq, from_blocks(dk), from_blocks(dv)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blockwise_attention(q, k, v, doc_start, block: int):
+def ring_attention_backward(block: int, saved, do):
+    """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D]: the ring runs again,
+    and the gradients of each key and value shard travel with it, each device adding its share,
+    until they come home."""
+    q, k, v, o, log_sum_exp, doc_start, row_position = saved
+    q_blocks, do_blocks, q_start_blocks = (to_blocks(x, block) for x in (q, do, doc_start))
+    q_position_blocks = row_position.reshape(-1, block)
+    # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP.
+    delta_blocks = to_blocks(einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o), block)
+
+    def ring_step(carry, _):
+        dq, kv, dk_dv = carry
+        # Both transfers start before this step's work, so that they can overlap it: the next
+        # shard, and the gradients of the shard held last step on to its next holder (step 0
+        # passes zeros: one transfer more than the c a ring needs, the price of the overlap).
+        arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))
+        dk_in, dv_in = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)
+        dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block)
+        return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
+
+    dq = jnp.zeros_like(q_blocks, jnp.float32)
+    dk_dv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
+    (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, (k, v, doc_start, row_position), dk_dv), None, length=axis_size("c"))
+    dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
+    return from_blocks(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def ring_attention(q, k, v, doc_start, row_position, block: int):
     """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, L, K, D]
-    by blocks of `block` positions; doc_start [B, L] is where each token's document starts. The
-    same numbers as dense_attention with causal_document_mask, up to rounding."""
-    return blockwise_attention_forward(q, k, v, doc_start, block)[0]
+    by blocks of `block` positions, with the keys and values of all devices of mesh axis c;
+    doc_start [B, L] is where each token's document starts and row_position [L] where each
+    token sits in the row. Runs inside shard_map. The same numbers as dense_attention with
+    causal_document_mask over whole rows, up to rounding."""
+    return ring_attention_forward(q, k, v, doc_start, row_position, block)[0]
 
 
-def blockwise_attention_forward_saving(q, k, v, doc_start, block: int):
+def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
     """The forward pass under differentiation: the output and its log-sum-exp are kept for the
     backward pass (marked, so that layer rematerialization keeps them too)."""
-    o, log_sum_exp = blockwise_attention_forward(q, k, v, doc_start, block)
+    o, log_sum_exp = ring_attention_forward(q, k, v, doc_start, row_position, block)
     o, log_sum_exp = save_for_backward(o), save_for_backward(log_sum_exp)
-    return o, (q, k, v, o, log_sum_exp, doc_start)
+    return o, (q, k, v, o, log_sum_exp, doc_start, row_position)
 
 
-blockwise_attention.defvjp(blockwise_attention_forward_saving, blockwise_attention_backward)
+ring_attention.defvjp(ring_attention_forward_saving, ring_attention_backward)

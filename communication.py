@@ -14,6 +14,7 @@ import math
 import re
 
 import hlo_graph
+from config import Config
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
@@ -123,6 +124,41 @@ def _holds_collective(computations: dict, name: str, path: tuple):
             yield True
         for called in inst.calls:
             yield from _holds_collective(computations, called, path + (name,))
+
+
+def predicted_per_step(cfg: Config) -> dict[tuple[str, str], float]:
+    """Bytes one device sends per step, by (collective, dtype), as train.py's code should send
+    them (step_collectives reads what the compiled step does, for comparison). A ring collective
+    over g devices sends (g-1)/g of the full array, an all-reduce twice that. FSDP over d and c:
+    each layer weight is gathered twice (forward, and again by the backward pass's
+    rematerialization) as bf16 (sent as u16 bits) and its gradient reduce-scattered once in f32;
+    the embedding table goes in f32. TP over t: per layer the forward gathers the residual twice
+    and scatters it twice, the backward regathers it twice and transposes all four; embedding and
+    logits add one of each each way. The ring over c, per layer: the forward passes k, v (bf16,
+    sent as u16 bits), doc_start and row_position c times (the rematerialization does not rerun
+    attention: its output is saved), the backward c times more, and the f32 gradients of k and
+    v c + 1 times (attention.ring_attention_backward); XLA hoists the forward's passes of
+    doc_start and row_position out of the layers' loop (they are the same for every layer).
+    Norm gradients and the scalars are all-reduced. Collectives that send nothing are left out."""
+    h, (B, L), d, t, c = cfg.model, (cfg.training.tokens.batch, cfg.training.tokens.len), cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
+    M, Q, K, D, F, V = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab
+    over_dc, over_t, over_c, over_all = (d * c - 1) / (d * c), (t - 1) / t, (c - 1) / c, (d * t * c - 1) / (d * t * c)
+    layer_weights = (2 * M * Q * K * D + 2 * M * K * D + 3 * M * F) / t  # elements per device once gathered over d and c
+    tokens = B // d * L // c  # of one device
+    residual, kv = tokens * M * 4, tokens * K // t * D  # f32 bytes of x gathered over t; elements of k (or v)
+    ring = (c > 1) * h.layers  # ring_pass does nothing over one device
+    predicted = {
+        ("all-gather", "u16"): (2 * h.layers * layer_weights + M * V / t) * 2 * over_dc,
+        ("all-gather", "f32"): V / t * M * 4 * over_dc + (6 * h.layers + 2) * residual * over_t,
+        ("all-gather", "u32"): B // d * L * 4 * over_c,  # whole_rows of the targets
+        ("all-gather", "pred"): B // d * L * over_c,  # whole_rows of is_seq_start
+        ("reduce-scatter", "f32"): (h.layers * layer_weights + 2 * V / t * M) * 4 * over_dc + (4 * h.layers + 2) * residual * over_t,
+        ("all-reduce", "f32"): 2 * ((2 * h.layers + 1) * M * 4 * over_all + 3 * tokens * 4 * over_t + 4 * over_dc + 4 * over_all),
+        ("collective-permute", "u16"): ring * 2 * c * 2 * kv * 2,
+        ("collective-permute", "u32"): (ring + (c > 1)) * c * (tokens + L // c) * 4,
+        ("collective-permute", "f32"): ring * (c + 1) * 2 * kv * 4,
+    }
+    return {key: value for key, value in predicted.items() if value}
 
 
 def totals(collectives: list[Collective]) -> dict[tuple[str, str], float]:

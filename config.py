@@ -85,6 +85,7 @@ class TrainingConfig:
 class MeshConfig:
     d: int  # devices over the batch and (FSDP) the weights
     t: int  # devices over heads, d_ff and vocabulary (tensor parallelism)
+    c: int = 1  # devices over each row's positions (context parallelism) and, with d, the weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +157,8 @@ class Config:
 
 
 def config_from_dict(cls, values, where: str = ""):
-    """Builds the frozen dataclass `cls` from nested dicts; every field is required and every
-    key must be a field (a typo is an error, not silently ignored)."""
+    """Builds the frozen dataclass `cls` from nested dicts; every field without a default is
+    required and every key must be a field (a typo is an error, not silently ignored)."""
     if not isinstance(values, dict):
         raise ConfigError(f"config key {where.rstrip('.') or '<root>'} must be a mapping, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -168,6 +169,8 @@ def config_from_dict(cls, values, where: str = ""):
     out = {}
     for name in fields:
         key = f"{where}{name}"
+        if name not in values and fields[name].default is not dataclasses.MISSING:
+            continue  # mesh.c, which run directories written before it existed lack
         if name not in values:
             raise ConfigError(f"config is missing key {key} (set it in the YAML or with +{key}=...)")
         t, v = hints[name], values[name]
@@ -189,36 +192,45 @@ def load_config(name: str, overrides: list[str]) -> Config:
     return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
 
 
-def mesh_misfit(m: ModelConfig, d: int, t: int) -> str | None:
-    """The first weight dimension that a (d, t) mesh does not split evenly, as 'model.KEY=N is
+def mesh_misfit(m: ModelConfig, d: int, t: int, c: int = 1) -> str | None:
+    """The first weight dimension that a (d, t, c) mesh does not split evenly, as 'model.KEY=N is
     not divisible by mesh.AXIS=N', or None when every sharded dimension divides. The rule of
-    the weights' annotations in train.py (M over d; heads, d_ff and vocabulary over t)."""
-    for key, value, axis, size in (("d_model", m.d_model, "d", d), ("n_kv", m.n_kv, "t", t), ("d_ff", m.d_ff, "t", t), ("vocab", m.vocab, "t", t)):
+    the weights' annotations in train.py (M over d and c; heads, d_ff and vocabulary over t)."""
+    dc = ("d", d) if c == 1 else ("d x mesh.c", d * c)
+    for key, value, (axis, size) in (("d_model", m.d_model, dc), ("n_kv", m.n_kv, ("t", t)), ("d_ff", m.d_ff, ("t", t)), ("vocab", m.vocab, ("t", t))):
         if value % size:
             return f"model.{key}={value} is not divisible by mesh.{axis}={size}"
     return None
 
 
-def check_attention_blocks(h: ModelConfig, length: int):
-    """The attention kernel works on whole blocks: model.attention_block must divide the length."""
+def check_attention_blocks(h: ModelConfig, length: int, c: int = 1):
+    """The attention kernel works on whole blocks, each a contiguous run of a row's positions:
+    model.attention_block must divide the length, and with mesh.c > 1 each of the 2c chunks of
+    the row that data_loader.zigzag_chunks deals out."""
     if h.attention_block < 1 or length % h.attention_block:
         raise ConfigError(f"model.attention_block={h.attention_block} must divide training.tokens.len={length}")
+    if c > 1 and length % (2 * c * h.attention_block):
+        raise ConfigError(f"training.tokens.len={length} must be a multiple of 2 x mesh.c x model.attention_block = {2 * c * h.attention_block}: "
+                          f"with mesh.c={c} each device holds 2 chunks of a row, each of whole blocks; lower model.attention_block or change the length")
 
 
 def validate_config(cfg: Config, n_devices: int, max_token_id: int):
     """Every mismatch between config, devices and data, found before any compilation."""
-    m, d, t = cfg.model, cfg.mesh.d, cfg.mesh.t
-    if d < 1 or t < 1 or d * t != n_devices:
+    m, d, t, c = cfg.model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
+    if c == 1 and (d < 1 or t < 1 or d * t != n_devices):
         raise ConfigError(f"mesh.d={d} x mesh.t={t} = {d * t} must equal the {n_devices} devices; choose mesh.d and mesh.t whose product is {n_devices}")
+    if d < 1 or t < 1 or c < 1 or d * t * c != n_devices:
+        raise ConfigError(f"mesh.d={d} x mesh.t={t} x mesh.c={c} = {d * t * c} must equal the {n_devices} devices; "
+                          f"choose mesh.d, mesh.t and mesh.c whose product is {n_devices}")
     for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("d_ff", m.d_ff), ("vocab", m.vocab)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")
-    misfit = mesh_misfit(m, d, t)
+    misfit = mesh_misfit(m, d, t, c)
     if misfit:
         raise ConfigError(f"{misfit}; make it a multiple of the mesh axis, or change the mesh")
     if cfg.training.tokens.batch <= 0 or cfg.training.tokens.batch % d:
         raise ConfigError(f"training.tokens.batch={cfg.training.tokens.batch} is not divisible by mesh.d={d}; make it a positive multiple of {d}")
-    check_attention_blocks(m, cfg.training.tokens.len)
+    check_attention_blocks(m, cfg.training.tokens.len, c)
     if m.d_head % 2:
         raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
     if m.vocab <= max_token_id:

@@ -1,6 +1,7 @@
 """Batches for training: `loader.batch(step)` is a pure function of the dataset, the loader
 settings (the `dataset:` config section) and `step`, assembled as global arrays sharded
-`P('d', None)` over the mesh. Nothing is saved with a checkpoint: resuming at step s, or jumping
+`P('d', 'c')` over the mesh (rows over d; with context parallelism, mesh.c > 1, each row's
+positions over c in the balanced order of `zigzag_chunks`). Nothing is saved with a checkpoint: resuming at step s, or jumping
 to it, costs one batch. docs/data-loader.md explains the scheme; in short:
 
 Rows. A split is cut into U rows of length L. Packed (`packed: true`): row u holds tokens
@@ -207,6 +208,35 @@ class BlockCache:
 
 
 # ---------------------------------------------------------------------------------------------
+# The layout of a row over the c devices of context parallelism. Causal attention gives a
+# query at position p p keys, so c equal contiguous pieces would give the last device about
+# 2c - 1 times the work of the first. Instead the row is cut into 2c chunks and device r holds
+# chunks r and 2c-1-r, one early and one late: every device then has the same number of
+# (query chunk, key chunk) pairs to compute, 2c + 1, and at every ring step two pairs' worth
+# (the layout of Megatron-LM's context parallelism and of Llama 3's, Dubey et al. 2024, 3.3.2).
+# Chunks stay contiguous, so attention's blocks, document skipping and RoPE work unchanged.
+
+
+def zigzag_chunks(length: int, c: int) -> list[tuple[int, int]]:
+    """The chunks [start, stop) of a row's positions in the order the c devices hold them
+    (device r: the r-th pair), adjacent chunks merged: c = 1 gives [(0, length)]."""
+    bounds = [k * length // (2 * c) for k in range(2 * c + 1)]
+    chunks: list[tuple[int, int]] = []
+    for r in range(c):
+        for k in (r, 2 * c - 1 - r):
+            if chunks and chunks[-1][1] == bounds[k]:
+                chunks[-1] = (chunks[-1][0], bounds[k + 1])
+            else:
+                chunks.append((bounds[k], bounds[k + 1]))
+    return chunks
+
+
+def zigzag_order(length: int, c: int) -> np.ndarray:
+    """The row position held at each place of the laid-out row: [length] int."""
+    return np.concatenate([np.arange(start, stop) for start, stop in zigzag_chunks(length, c)])
+
+
+# ---------------------------------------------------------------------------------------------
 # The loader.
 
 
@@ -226,7 +256,8 @@ class ShufflingLoader:
         self.cache = BlockCache(self.source, block, capacity=2 * settings.streams * (math.ceil(window / block) + 2))
         self.batch_size, self.length = batch, length
         self.shape = (batch, length)
-        self.sharding = NamedSharding(mesh, PartitionSpec("d", None))
+        self.sharding = NamedSharding(mesh, PartitionSpec("d", "c"))
+        self.layout = zigzag_order(length, mesh.shape["c"])
         self.local_rows = sorted({_row_range(index, batch) for index in self.sharding.addressable_devices_indices_map(self.shape).values()})
         self.prefetch = settings.prefetch
         self.pending: dict[int, concurrent.futures.Future] = {}
@@ -251,7 +282,10 @@ class ShufflingLoader:
 
     def batch(self, step: int) -> Batch:
         data = self._prefetched(step)
-        arrays = [jax.make_array_from_callback(self.shape, self.sharding, lambda index, k=k: data[_row_range(index, self.batch_size)][k]) for k in range(3)]
+        def piece(index, k):  # a device's rows, and of each its positions in the layout's order
+            return data[_row_range(index, self.batch_size)][k][:, self.layout[index[1]]]
+
+        arrays = [jax.make_array_from_callback(self.shape, self.sharding, lambda index, k=k: piece(index, k)) for k in range(3)]
         return Batch(*arrays)
 
     def _prefetched(self, step: int):

@@ -28,21 +28,21 @@ def per_device_bytes(tree) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def _without_axis(entry, axis: str):
-    """One entry of a PartitionSpec with mesh axis `axis` taken out."""
+def _without_axes(entry, axes: tuple[str, ...]):
+    """One entry of a PartitionSpec with the mesh axes `axes` taken out."""
     if isinstance(entry, tuple):
-        return tuple(a for a in entry if a != axis) or None
-    return None if entry == axis else entry
+        return tuple(a for a in entry if a not in axes) or None
+    return None if entry in axes else entry
 
 
-def gathered_bytes(tree, axis: str = "d") -> int:
-    """Bytes per device of the leaves of `tree` that are split over mesh axis `axis`, once
-    all-gathered over it (FSDP gathers weights over `d` one layer at a time)."""
+def gathered_bytes(tree, axes: tuple[str, ...] = ("d", "c")) -> int:
+    """Bytes per device of the leaves of `tree` that are split over the mesh axes `axes`, once
+    all-gathered over them (FSDP gathers weights over `d` and `c` one layer at a time)."""
     total = 0
     for x in jax.tree.leaves(tree):
         spec = x.sharding.spec
-        if axis in jax.tree.leaves(tuple(spec)):
-            gathered = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(_without_axis(e, axis) for e in spec)))
+        if set(axes) & set(jax.tree.leaves(tuple(spec))):
+            gathered = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(_without_axes(e, axes) for e in spec)))
             total += math.prod(gathered.shard_shape(x.shape)) * x.dtype.itemsize
     return total
 
@@ -62,11 +62,11 @@ _RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
 def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDtypeStruct]:
     """For the memory report, per device: what one transformer layer keeps for its backward pass
     (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
-    float32 logits (B/d L V/t). `layer(x, w, doc_start, position)` is the layer as the step's
-    scan runs it (train.training_layer with the model config bound), whose annotations give the
-    shardings of x [B, L, M], doc_start and position [B, L]; `state` gives the stacked layer
-    weights (arrays or ShapeDtypeStructs)."""
-    B, L, M, d, t = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t
+    float32 logits (B/d L/c V/t). `layer(x, w, doc_start, position, row_position)` is the layer as
+    the step's scan runs it (train.training_layer with the model config bound), whose annotations
+    give the shardings of x [B, L, M], doc_start and position [B, L] and row_position [L];
+    `state` gives the stacked layer weights (arrays or ShapeDtypeStructs)."""
+    B, L, M, d, t, c = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
     lines = []
 
     def one_layer(w):  # the stacked weights without their leading `layers` axis
@@ -77,7 +77,8 @@ def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDty
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
 
     w = jax.tree.map(one_layer, state.weights.layers)
-    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), annotated("position", (B, L), jnp.uint32))
+    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), annotated("position", (B, L), jnp.uint32),
+            annotated("row_position", (L,), jnp.uint32))
 
     def probe(*args):  # inside shard_map, so that the shapes are per device
         lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))
@@ -85,7 +86,7 @@ def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDty
 
     specs = jax.tree.map(lambda a: a.sharding.spec, args)
     jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
-    return lines, jax.ShapeDtypeStruct((B // d, L, cfg.model.vocab // t), jnp.float32)
+    return lines, jax.ShapeDtypeStruct((B // d, L // c, cfg.model.vocab // t), jnp.float32)
 
 
 def residual_size(line: str) -> tuple[str, int]:

@@ -24,6 +24,7 @@ class RunConfig:
     checkpoints: CheckpointConfig
     dataset_path: str
     seq_len: int  # training.tokens.len
+    trained_context_devices: int  # mesh.c of the training run; sampling and export run with c = 1 whatever it was
 
 
 def load_run_config(run_dir: str) -> RunConfig:
@@ -40,7 +41,7 @@ def load_run_config(run_dir: str) -> RunConfig:
     # without blocks, and one block of the training length is the attention they were trained with.
     model = {"attention_block": seq_len, **model} if isinstance(model, dict) else model
     model, checkpoints = config_from_dict(ModelConfig, model, "model."), config_from_dict(CheckpointConfig, checkpoints, "checkpoints.")
-    return RunConfig(model, checkpoints, dataset_path, seq_len)
+    return RunConfig(model, checkpoints, dataset_path, seq_len, int((cfg.get("mesh") or {}).get("c", 1)))
 
 
 def default_mesh_shape(h: ModelConfig, devices: int) -> tuple[int, int]:

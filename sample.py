@@ -109,7 +109,9 @@ def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, tempe
 
     @typed_shard_map
     def on_device(w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
-        return forward_cached(h, w, cache, inputs, start)
+        # Sampling runs with c = 1, but the weights' annotations split M over d and c, so every
+        # value is typed as varying over c: a sum over c's one device types it as the same.
+        return jax.tree.map(lambda x: lax.psum(x, "c"), forward_cached(h, w, cache, inputs, start))
 
     logits, cache = on_device(weights, cache, inputs, start)
     return choose_tokens(logits, key, index, temperature, top_k, max_token_id)[:, None], cache
@@ -218,7 +220,9 @@ def main(argv=None):
         mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
         check_cache_fits(run.model, *cache_size(mesh, len(prompt), args.num_samples, args.max_new_tokens), mesh)
         step, weights = load_weights(args.run_dir, run, mesh, args.step)
-        print(f"checkpoint {step} of {args.run_dir}, mesh d={mesh.shape['d']} t={mesh.shape['t']}, prompt of {len(prompt)} tokens", file=sys.stderr)
+        trained_c = f" (the run trained with mesh.c={run.trained_context_devices}; its weights do not depend on c)" if run.trained_context_devices > 1 else ""
+        mesh_shown = f"mesh d={mesh.shape['d']} t={mesh.shape['t']} c=1{trained_c}"
+        print(f"checkpoint {step} of {args.run_dir}, {mesh_shown}, prompt of {len(prompt)} tokens", file=sys.stderr)
         top_k = min(args.top_k, run.model.vocab)
         tokens = generate(run.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed,
                           max_token_id=max_token_id, verbose=True)

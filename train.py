@@ -10,7 +10,10 @@ Dimension names, used the same way in every annotation and spec string:
 Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent
 as MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff
 and vocabulary (tensor parallelism, Megatron-style) and, between blocks, the residual stream's
-M (`B/d L M/t`): each block all-gathers it over t before its norm and reduce-scatters its output.
+M (`B/d L/c M/t`): each block all-gathers it over t before its norm and reduce-scatters its
+output; `c` splits every row's positions (context parallelism: each device holds two chunks of
+each row, data_loader.zigzag_chunks; attention passes keys and values around the c ring) and,
+with d, the weights.
 
 Precision: weights, Adam moments, the residual stream and norms in float32; matmul operands in
 MATMUL_DTYPE (bfloat16) with float32 accumulation; every sum across devices in float32.
@@ -39,15 +42,15 @@ from omegaconf import DictConfig, OmegaConf
 
 import run_lock
 import training_io
-from attention import blockwise_attention
+from attention import ring_attention
 from checkpoint import Checkpointer, PreemptionWatch
 from config import Config, ModelConfig, SeqaxError, TrainingConfig, check_attention_blocks, config_from_dict, validate_config
-from data_loader import make_loader
+from data_loader import make_loader, zigzag_chunks
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from memory import check_step_fits
 from multihost import console_name, exit_if_peer_lost, exit_on_sigterm, initialize_distributed, leave
-from shardlib.shardops import all_gather, all_gather_cast, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
+from shardlib.shardops import all_gather, all_gather_cast, axis_size, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
 from shardlib.shardtypes import Array, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass, spec_axes, typechecked, typed_shard_map, u32
 
 # ---------------------------------------------------------------------------------------------
@@ -64,22 +67,22 @@ MATMUL_DTYPE = jnp.bfloat16
 @pytree_dataclass
 class Layer:
     attn_norm: f32[b"M"]
-    w_q: f32[b"M/d Q K/t D"]
-    w_k: f32[b"M/d K/t D"]
-    w_v: f32[b"M/d K/t D"]
-    w_o: f32[b"Q K/t D M/d"]
+    w_q: f32[b"M/d/c Q K/t D"]
+    w_k: f32[b"M/d/c K/t D"]
+    w_v: f32[b"M/d/c K/t D"]
+    w_o: f32[b"Q K/t D M/d/c"]
     ffn_norm: f32[b"M"]
-    w_gate: f32[b"M/d F/t"]
-    w_up: f32[b"M/d F/t"]
-    w_down: f32[b"F/t M/d"]
+    w_gate: f32[b"M/d/c F/t"]
+    w_up: f32[b"M/d/c F/t"]
+    w_down: f32[b"F/t M/d/c"]
 
 
 @pytree_dataclass
 class Model:
-    embed: f32[b"V/t M/d"]
+    embed: f32[b"V/t M/d/c"]
     layers: Array[b"layers", Layer]
     final_norm: f32[b"M"]
-    unembed: f32[b"M/d V/t"]
+    unembed: f32[b"M/d/c V/t"]
 
 
 @pytree_dataclass
@@ -128,13 +131,35 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
 
 @typechecked
 def document_positions(is_seq_start: bool_[b"B/d L"]) -> tuple[u32[b"B/d L"], u32[b"B/d L"]]:
-    """(where its document starts, position within the document) of every token. Positions
-    restart at each document so that a packed document sees the same RoPE phases as one
-    generated alone. A row's first tokens belong to a document that started earlier (start 0)
-    unless is_seq_start says otherwise."""
+    """(where its document starts, position within the document) of every token of whole rows.
+    Positions restart at each document so that a packed document sees the same RoPE phases as
+    one generated alone. A row's first tokens belong to a document that started earlier (start
+    0) unless is_seq_start says otherwise."""
     index = jnp.arange(is_seq_start.shape[1], dtype=jnp.uint32)
     doc_start = lax.cummax(jnp.where(is_seq_start, index, 0), axis=1)
     return doc_start, index - doc_start
+
+
+# Context parallelism: a device holds its chunks of every row (`L/c`, in the order of
+# data_loader.zigzag_chunks). A token's input, document start and position depend on the tokens
+# before it, which may be on other devices: these two functions go to whole rows and back (an
+# all-gather over c of a few bytes a token; with c = 1 both are the identity).
+
+
+def whole_rows(x):
+    """[B/d, L/c] (this device's chunks) -> [B/d, L], the rows in order."""
+    c = axis_size("c")
+    chunks = zigzag_chunks(x.shape[1] * c, c)
+    laid_out = all_gather("B/d L/c -> B/d L", x)
+    offsets = [sum(stop - start for start, stop in chunks[:i]) for i in range(len(chunks))]
+    return jnp.concatenate([laid_out[:, o : o + stop - start] for (start, stop), o in sorted(zip(chunks, offsets))], axis=1)
+
+
+def this_devices_chunks(x):
+    """[B/d, L] whole rows -> [B/d, L/c], the chunks this device holds."""
+    c = axis_size("c")
+    laid_out = jnp.concatenate([x[:, start:stop] for start, stop in zigzag_chunks(x.shape[1], c)], axis=1)
+    return lax.dynamic_slice_in_dim(laid_out, lax.axis_index("c") * (x.shape[1] // c), x.shape[1] // c, axis=1)
 
 
 def rms_norm(x, weight, eps: float):
@@ -155,71 +180,76 @@ def rope(x, position, base: float):
 
 
 def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
-    """One block on the residual stream x [B/d, L, M/t] (float32): pre-RMSNorm grouped-query
+    """One block on the residual stream x [B/d, L/c, M/t] (float32): pre-RMSNorm grouped-query
     attention (Ainslie et al. 2023: Q query heads share each of the K kv heads) with RoPE, then
     pre-RMSNorm SwiGLU (Shazeer 2020). `attend(q, k, v) -> (o, extra)` is the attention proper:
     training attends within documents (training_layer); sample.py attends over its KV cache
     and returns the updated cache as `extra`. Returns (x after the block, extra)."""
-    nx = all_gather("B/d L M/t -> B/d L M", x)  # the norm needs all of M
+    nx = all_gather("B/d L/c M/t -> B/d L/c M", x)  # the norm needs all of M
     nx = save_for_backward(rms_norm(nx, w.attn_norm, h.norm_eps).astype(MATMUL_DTYPE))
-    # FSDP: gather this layer's weights over d, cast to MATMUL_DTYPE before they cross the wire;
-    # the gradients come back as float32 reduce-scatters (all_gather_cast's transpose).
-    w_q = all_gather_cast("M/d Q K/t D -> M Q K/t D", w.w_q, MATMUL_DTYPE)
-    w_k = all_gather_cast("M/d K/t D -> M K/t D", w.w_k, MATMUL_DTYPE)
-    w_v = all_gather_cast("M/d K/t D -> M K/t D", w.w_v, MATMUL_DTYPE)
-    q = einsum_unreduced("B/d L M, M Q K/t D -> B/d L Q K/t D", nx, w_q)
-    k = einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_k)
-    v = save_for_backward(einsum_unreduced("B/d S M, M K/t D -> B/d S K/t D", nx, w_v).astype(MATMUL_DTYPE))
+    # FSDP: gather this layer's weights over d and c, cast to MATMUL_DTYPE before they cross the
+    # wire; the gradients come back as float32 reduce-scatters (all_gather_cast's transpose).
+    w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, MATMUL_DTYPE)
+    w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, MATMUL_DTYPE)
+    w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, MATMUL_DTYPE)
+    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
+    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
+    v = save_for_backward(einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE))
     q = save_for_backward(rope(q, position, h.rope_base).astype(MATMUL_DTYPE))
     k = save_for_backward(rope(k, position, h.rope_base).astype(MATMUL_DTYPE))
-    o, extra = attend(q, k, v)  # [B/d, L, Q, K/t, D]
-    w_o = all_gather_cast("Q K/t D M/d -> Q K/t D M", w.w_o, MATMUL_DTYPE)
-    out = einsum_unreduced("B/d L Q K/t D, Q K/t D M -> B/d L M", o, w_o)  # partial sums over t
-    x = save_for_backward(x + psum_scatter("B/d L M -> B/d L M/t", out))
+    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
+    w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, MATMUL_DTYPE)
+    out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
+    x = save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out))
 
-    nx = all_gather("B/d L M/t -> B/d L M", x)
+    nx = all_gather("B/d L/c M/t -> B/d L/c M", x)
     nx = save_for_backward(rms_norm(nx, w.ffn_norm, h.norm_eps).astype(MATMUL_DTYPE))
-    w_gate = all_gather_cast("M/d F/t -> M F/t", w.w_gate, MATMUL_DTYPE)
-    w_up = all_gather_cast("M/d F/t -> M F/t", w.w_up, MATMUL_DTYPE)
-    gate = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_gate).astype(MATMUL_DTYPE))
-    up = save_for_backward(einsum_unreduced("B/d L M, M F/t -> B/d L F/t", nx, w_up).astype(MATMUL_DTYPE))
+    w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, MATMUL_DTYPE)
+    w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, MATMUL_DTYPE)
+    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
+    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
     hidden = (gate * jax.nn.sigmoid(gate) * up).astype(MATMUL_DTYPE)  # silu(gate) * up
-    w_down = all_gather_cast("F/t M/d -> F/t M", w.w_down, MATMUL_DTYPE)
-    out = einsum_unreduced("B/d L F/t, F/t M -> B/d L M", hidden, w_down)  # partial sums over t
-    return x + psum_scatter("B/d L M -> B/d L M/t", out), extra
+    w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
+    out = einsum_unreduced("B/d L/c F/t, F/t M -> B/d L/c M", hidden, w_down)  # partial sums over t
+    return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out), extra
 
 
 @typechecked
-def training_layer(h: ModelConfig, x: f32[b"B/d L M/t"], w: Layer, doc_start: u32[b"B/d L"], position: u32[b"B/d L"]) -> f32[b"B/d L M/t"]:
-    """transformer_layer as training runs it: causal attention within documents, by blocks."""
-    return transformer_layer(h, x, w, position, lambda q, k, v: (blockwise_attention(q, k, v, doc_start, h.attention_block), None))[0]
+def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"], position: u32[b"B/d L/c"],
+                   row_position: u32[b"L/c"]) -> f32[b"B/d L/c M/t"]:
+    """transformer_layer as training runs it: causal attention within documents, by blocks, over
+    the keys of every device of the c ring (row_position: where each token sits in the row)."""
+    attend = lambda q, k, v: (ring_attention(q, k, v, doc_start, row_position, h.attention_block), None)  # noqa: E731
+    return transformer_layer(h, x, w, position, attend)[0]
 
 
 def embed_tokens(w: Model, inputs):
-    """The residual stream [B/d, L, M/t] (float32) of input tokens [B/d, L]. The table stays
+    """The residual stream [B/d, L/c, M/t] (float32) of input tokens [B/d, L/c]. The table stays
     float32 on the wire: its gradient sums many tokens' rows, which bfloat16 would round badly."""
-    embed = all_gather("V/t M/d -> V/t M", w.embed)
-    return psum_scatter("B/d L M -> B/d L M/t", index_unreduced("V/t M, B/d L -> B/d L M", embed, inputs))
+    embed = all_gather("V/t M/d/c -> V/t M", w.embed)
+    return psum_scatter("B/d L/c M -> B/d L/c M/t", index_unreduced("V/t M, B/d L/c -> B/d L/c M", embed, inputs))
 
 
 def output_logits(h: ModelConfig, w: Model, x):
-    """Next-token logits [B/d, L, V/t] (float32, this device's slice of V) of the residual stream x [B/d, L, M/t]."""
-    nx = rms_norm(all_gather("B/d L M/t -> B/d L M", x), w.final_norm, h.norm_eps).astype(MATMUL_DTYPE)
-    unembed = all_gather_cast("M/d V/t -> M V/t", w.unembed, MATMUL_DTYPE)
-    return einsum_unreduced("B/d L M, M V/t -> B/d L V/t", nx, unembed)
+    """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x [B/d, L/c, M/t]."""
+    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, h.norm_eps).astype(MATMUL_DTYPE)
+    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, MATMUL_DTYPE)
+    return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed)
 
 
 @typechecked
-def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
     """Next-token logits at every position of packed documents. The input of a document's
     first position is token 0 (begin of document)."""
-    check_attention_blocks(h, inputs.shape[1])
-    doc_start, position = document_positions(is_seq_start)
+    length = inputs.shape[1] * axis_size("c")
+    check_attention_blocks(h, length, axis_size("c"))
+    doc_start, position = (this_devices_chunks(x) for x in document_positions(whole_rows(is_seq_start)))
+    row_position = this_devices_chunks(jnp.arange(length, dtype=jnp.uint32)[None, :])[0]
     x = embed_tokens(w, inputs)
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
-        return training_layer(h, x, layer_weights, doc_start, position), None
+        return training_layer(h, x, layer_weights, doc_start, position, row_position), None
 
     x, _ = lax.scan(body, x, w.layers)
     return output_logits(h, w, x)
@@ -241,42 +271,21 @@ def model_flops_per_token(h: ModelConfig, seq_len: int) -> float:
     return 3.0 * forward
 
 
-def communication_per_step(cfg: Config) -> dict[tuple[str, str], float]:
-    """Bytes one device sends per step, by (collective, dtype), as the code above should send
-    them (communication.py reads what the compiled step does, for comparison). A ring collective
-    over g devices sends (g-1)/g of the full array, an all-reduce twice that. FSDP over d: each
-    layer weight is gathered twice (forward, and again by the backward pass's rematerialization)
-    as bf16 (sent as u16 bits) and its gradient reduce-scattered once in f32; the embedding table
-    goes in f32. TP over t: per layer the forward gathers the residual twice and scatters it
-    twice, the backward regathers it twice and transposes all four; embedding and logits add one
-    of each each way. Norm gradients and the scalars are all-reduced."""
-    h, (B, L), d, t = cfg.model, (cfg.training.tokens.batch, cfg.training.tokens.len), cfg.mesh.d, cfg.mesh.t
-    M, Q, K, D, F, V = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab
-    over_d, over_t, over_all = (d - 1) / d, (t - 1) / t, (d * t - 1) / (d * t)
-    layer_weights = (2 * M * Q * K * D + 2 * M * K * D + 3 * M * F) / t  # elements per device once gathered over d
-    residual = B // d * L * M * 4  # f32 bytes of x gathered over t
-    return {
-        ("all-gather", "u16"): (2 * h.layers * layer_weights + M * V / t) * 2 * over_d,
-        ("all-gather", "f32"): V / t * M * 4 * over_d + (6 * h.layers + 2) * residual * over_t,
-        ("reduce-scatter", "f32"): (h.layers * layer_weights + 2 * V / t * M) * 4 * over_d + (4 * h.layers + 2) * residual * over_t,
-        ("all-reduce", "f32"): 2 * ((2 * h.layers + 1) * M * 4 * over_all + 3 * B // d * L * 4 * over_t + 4 * over_d + 4 * over_all),
-    }
-
-
 @typechecked
-def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]) -> f32[b""]:
+def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"], loss_mask: bool_[b"B/d L/c"]) -> f32[b""]:
     """This device's share of the mean next-token cross-entropy over the global batch's real
     tokens (loss_mask is False on padding). Each document's first token is predicted from
     input token 0, so every real token is a target."""
-    inputs = jnp.where(is_seq_start, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
+    row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)  # a chunk's first input is the end of another chunk
+    inputs = this_devices_chunks(jnp.where(row_starts, 0, jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))))
     logits = forward(h, w, inputs, is_seq_start)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t; take_unreduced picks the target's logit on the device holding it.
     max_logit = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
-    sum_exp = psum("B/d L", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
-    target_logit = psum("B/d L", take_unreduced("B/d L V/t, B/d L -> B/d L", logits, targets), "t")
+    sum_exp = psum("B/d L/c", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
+    target_logit = psum("B/d L/c", take_unreduced("B/d L/c V/t, B/d L/c -> B/d L/c", logits, targets), "t")
     token_losses = max_logit + jnp.log(sum_exp) - target_logit
-    global_tokens = lax.psum(jnp.sum(loss_mask, dtype=jnp.float32), "d")
+    global_tokens = lax.psum(jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c"))
     return jnp.sum(jnp.where(loss_mask, token_losses, 0.0)) / jnp.maximum(global_tokens, 1.0)
 
 
@@ -331,10 +340,10 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
 
     @typed_shard_map
     def step_on_device(
-        state: State, step: u32[b""], targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]
+        state: State, step: u32[b""], targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"], loss_mask: bool_[b"B/d L/c"]
     ) -> tuple[State, Metrics]:
         loss, grads = jax.value_and_grad(partial(model_loss, cfg.model))(state.weights, targets, is_seq_start, loss_mask)
-        loss = lax.psum(loss, "d")  # outside autodiff: the gradients are already global
+        loss = lax.psum(loss, ("d", "c"))  # outside autodiff: the gradients are already global
         # Each gradient is sharded as its weight: its squares are summed over the axes that
         # split it, with one all-reduce per distinct set of axes (not one per weight).
         squares_by_axes: dict[tuple[str, ...], list] = {}
@@ -352,8 +361,8 @@ def eval_step(weights: Model, targets, is_seq_start, loss_mask, cfg: Config) -> 
     """The training loss of one batch (model_loss, the same function), without gradients or update."""
 
     @typed_shard_map
-    def loss_on_device(w: Model, targets: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"], loss_mask: bool_[b"B/d L"]) -> f32[b""]:
-        return lax.psum(model_loss(cfg.model, w, targets, is_seq_start, loss_mask), "d")
+    def loss_on_device(w: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"], loss_mask: bool_[b"B/d L/c"]) -> f32[b""]:
+        return lax.psum(model_loss(cfg.model, w, targets, is_seq_start, loss_mask), ("d", "c"))
 
     return loss_on_device(weights, targets, is_seq_start, loss_mask)
 
@@ -372,15 +381,16 @@ def compile_training_step(cfg: Config, state: State, mesh):
     """training_step compiled ahead of time for this state (arrays or ShapeDtypeStructs) and
     batches of the config's shape split over d, as the loader makes them, so that the run reports
     its compile time, FLOPs and memory before the first step; the loop runs it."""
-    shape, sharding = (cfg.training.tokens.batch, cfg.training.tokens.len), jax.NamedSharding(mesh, P("d", None))
+    shape, sharding = (cfg.training.tokens.batch, cfg.training.tokens.len), jax.NamedSharding(mesh, P("d", "c"))
     batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
     return training_step.lower(state, jnp.uint32(0), *batch, cfg).compile()
 
 
-def make_mesh(d: int, t: int, devices=None) -> jax.sharding.Mesh:
-    """The (d, t) mesh over `devices` (default: all). Auto axes: arrays are placed with the
-    NamedShardings derived from their annotations, so no explicit-sharding types are needed."""
-    return jax.make_mesh((d, t), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devices)
+def make_mesh(d: int, t: int, c: int = 1, devices=None) -> jax.sharding.Mesh:
+    """The (d, c, t) mesh over `devices` (default: all): t innermost (its collectives are the most
+    frequent), then the ring c. Auto axes: arrays are placed with the NamedShardings derived from
+    their annotations, so no explicit-sharding types are needed."""
+    return jax.make_mesh((d, c, t), ("d", "c", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,7 +422,7 @@ def is_due(interval: int, done: int, steps: int) -> bool:
 def train(cfg: Config, resolved_yaml: str):
     dataset = open_flat_tokens(cfg.dataset.path)
     validate_config(cfg, jax.device_count(), dataset.max_token_id)
-    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
+    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
     eval_batches = evaluation_batches(cfg, dataset, mesh)
     run_dir = os.path.join(cfg.paths.root_working_dir, cfg.paths.model_name)
     # Everything opened below is closed in reverse order however the run ends (the log flushed,
@@ -431,7 +441,7 @@ def train(cfg: Config, resolved_yaml: str):
         step_fn = log.compile(lambda: compile_training_step(cfg, state, mesh))
         log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model))
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
-        log.communication_report(step_fn, communication_per_step(cfg))
+        log.communication_report(step_fn)  # against communication.predicted_per_step's formula
         # From here SIGTERM asks for a checkpoint after the next step; before, there was no new
         # step to save and it stopped the run at once (multihost.exit_on_sigterm).
         preemption = opened.enter_context(PreemptionWatch())

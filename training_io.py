@@ -256,18 +256,18 @@ class RunLog:
         memory.memory_annotations for `layer`)."""
         if not self.writes:
             return
-        d, t = self.cfg.mesh.d, self.cfg.mesh.t
-        title = f"mesh d={d} t={t}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        title = f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, {jax.device_count()} x {jax.devices()[0].device_kind}"
         text, _, _ = memory.memory_report(compiled, state, self.cfg.model.layers, *memory.memory_annotations(self.cfg, mesh, state, layer), title)
         self.print(text.rstrip())
         self.write("memory_report.txt", text)
 
-    def communication_report(self, compiled, predicted: dict):
+    def communication_report(self, compiled):
         """Prints the communication report and writes communication_report.txt: the compiled
-        step's collectives (communication.py) next to `predicted` (train.communication_per_step)."""
+        step's collectives next to communication.predicted_per_step's formula."""
         if not self.writes:
             return
-        title = f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        predicted = communication.predicted_per_step(self.cfg)
+        title = f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, {jax.device_count()} x {jax.devices()[0].device_kind}"
         try:
             measured = communication.totals(communication.step_collectives(compiled.as_text()))
         except ValueError as e:  # a report must not stop a run, e.g. if a new XLA prints HLO differently

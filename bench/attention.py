@@ -4,8 +4,8 @@
         [--lengths 512 1024 2048] [--blocks 128 256 512] [--repeats 5]
 
 Runs attention.dense_attention (the L x S scores materialized, attention.causal_document_mask's
-mask) and attention.blockwise_attention (block pairs, causal half only, online softmax, custom
-backward) on one device with random bfloat16 inputs and about four documents a row, and prints
+mask) and attention.ring_attention on a ring of one device (block pairs, causal half only,
+online softmax, custom backward) on one device with random bfloat16 inputs and about four documents a row, and prints
 one row per (length, method): median time of value-and-gradient, the speed-up over dense, and
 the compiled program's temporary bytes.
 """
@@ -16,6 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 import attention
 import train
@@ -35,6 +36,17 @@ def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
 def dense(q, k, v, doc_start):
     position = jnp.arange(q.shape[1])
     return attention.dense_attention(q, k, v, attention.causal_document_mask(position, position, doc_start, doc_start))
+
+
+def blockwise(block: int):
+    """attention.ring_attention inside shard_map on one device: its ring is its own keys."""
+    mesh = train.make_mesh(1, 1, devices=jax.devices()[:1])
+
+    def attend(q, k, v, doc_start):
+        row_position = jnp.arange(q.shape[1], dtype=jnp.uint32)
+        return jax.shard_map(lambda *a: attention.ring_attention(*a, row_position, block), mesh=mesh, in_specs=P(), out_specs=P())(q, k, v, doc_start)
+
+    return attend
 
 
 def value_and_grad(attend):
@@ -80,8 +92,7 @@ def main(argv=None):
         for block in args.blocks:
             if L % block or block > L:
                 continue
-            blockwise = value_and_grad(lambda q, k, v, doc_start, block=block: attention.blockwise_attention(q, k, v, doc_start, block))
-            seconds, temp = measure(blockwise, inputs, args.repeats)
+            seconds, temp = measure(value_and_grad(blockwise(block)), inputs, args.repeats)
             print(f"{L:>6} {f'blockwise {block}':>16} {seconds * 1e3:>11.1f} {dense_time / seconds:>8.2f}x {temp / 2**20:>9.1f}", flush=True)
 
 

@@ -11,6 +11,7 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
     einsum_unreduced('B/d L M, M F/t -> B/d L F/t', x, w)
     index_unreduced('V/t M, B/d L -> B/d L M', table, ids)
     take_unreduced('B/d L V/t, B/d L -> B/d L', logits, targets)
+    ring_pass('B/d S/c K/t D', k, 'c')            send k to the next device along c, receive the previous one's
 """
 
 from functools import partial
@@ -245,6 +246,46 @@ def _local_indices(axes: tuple[str, ...], size: int, indices):
     offset = lax.axis_index(axes if len(axes) > 1 else axes[0]) * size
     local = indices.astype(jnp.int32) - offset.astype(jnp.int32)
     return jnp.clip(local, 0, size - 1), (local >= 0) & (local < size)
+
+
+def ring_pass(spec: str, x, axis: str):
+    """Each device sends its block x (laid out as `spec`) to the next device along mesh axis
+    `axis` (the last sends to the first) and receives the block of the one before: one step of a
+    ring (ring attention passes key and value blocks this way). `axis` must split a dimension of
+    `spec`: it names the blocks that travel. Its transpose passes the other way round."""
+    op = "ring_pass"
+    try:
+        dims = parse_dims(spec)
+    except ShapeError as e:
+        raise SpecError(f"{op}: {e}") from None
+    if not any(axis in d.axes for d in dims):
+        raise SpecError(f"{op}: mesh axis {axis!r} splits no dimension of {spec!r}, so its devices hold the same block and there is nothing to pass")
+    _check_ndim(op, spec, dims, x)
+    size = lax.axis_size(axis)
+    if size == 1:  # a ring of one device: the block stays (no op, as for _gather)
+        return x
+    return _permute(x, axis, tuple((i, (i + 1) % size) for i in range(size)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _permute(x, axis, perm):
+    # Values narrower than 32 bits travel as unsigned integers of their width, as in _gather_cast:
+    # XLA:CPU widens a bfloat16 collective-permute to float32, twice the bytes.
+    if x.dtype.itemsize >= 4 or not jnp.issubdtype(x.dtype, jnp.floating):
+        return lax.ppermute(x, axis, perm=perm)
+    bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+    return lax.bitcast_convert_type(lax.ppermute(lax.bitcast_convert_type(x, bits), axis, perm=perm), x.dtype)
+
+
+def _permute_forward(x, axis, perm):
+    return _permute(x, axis, perm), None
+
+
+def _permute_backward(axis, perm, _, cotangent):
+    return (_permute(cotangent, axis, tuple((dst, src) for src, dst in perm)),)  # the gradient goes back the way the block came
+
+
+_permute.defvjp(_permute_forward, _permute_backward)
 
 
 def axis_size(axes: str | tuple[str, ...]) -> int:

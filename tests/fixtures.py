@@ -11,6 +11,7 @@ import numpy as np
 import config
 import train
 from config import load_config
+from data_loader import zigzag_order
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 from tools import prepare_dataset
 from tools.launch_local import free_port
@@ -41,8 +42,8 @@ def tiny_config(*overrides: str) -> config.Config:
     return load_config("local_test_synthetic", ["+paths.model_name=test", *tiny_overrides(*overrides)])
 
 
-def make_mesh(d: int, t: int) -> jax.sharding.Mesh:
-    return train.make_mesh(d, t, devices=jax.devices()[: d * t])
+def make_mesh(d: int, t: int, c: int = 1) -> jax.sharding.Mesh:
+    return train.make_mesh(d, t, c, devices=jax.devices()[: d * t * c])
 
 
 def reference_config(h: config.ModelConfig) -> dict:
@@ -65,8 +66,10 @@ def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.nda
 
 
 def put_batch(mesh, batch):
-    """Host arrays [B, L] on `mesh`, rows split over d as the loader places them."""
-    return jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
+    """Host arrays [B, L] on `mesh` as the loader places them: rows split over d, and each row's
+    positions over c in the zigzag order (data_loader.zigzag_order)."""
+    order = zigzag_order(batch[0].shape[1], mesh.shape["c"])
+    return jax.device_put(tuple(x[:, order] for x in batch), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c")))
 
 
 def forward_logits(h: config.ModelConfig):
@@ -75,7 +78,7 @@ def forward_logits(h: config.ModelConfig):
 
     @jax.jit
     @typed_shard_map
-    def logits(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+    def logits(w: train.Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
         return train.forward(h, w, inputs, is_seq_start)
 
     return logits

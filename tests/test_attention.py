@@ -1,9 +1,11 @@
-"""Blockwise attention (attention.blockwise_attention) against dense attention with the same mask."""
+"""Blockwise attention (attention.ring_attention on a ring of one device) against dense attention
+with the same mask. tests/test_context_parallel.py checks rings of several devices."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import attention
 import train
@@ -56,6 +58,13 @@ def test_causal_document_mask_on_a_small_example():
     np.testing.assert_array_equal(np.asarray(attention.causal_document_mask(position, position, doc_start, doc_start))[0], np.array(expected, bool))
 
 
+def blockwise(q, k, v, doc_start, block: int):
+    """attention.ring_attention on one device, whose ring is its own keys: the blockwise kernel."""
+    row_position = jnp.arange(q.shape[1], dtype=jnp.uint32)
+    attend = jax.shard_map(lambda q, k, v, s: attention.ring_attention(q, k, v, s, row_position, block), mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
+    return attend(q, k, v, doc_start)
+
+
 def output_and_gradients(attend, q, k, v, doc_start, cotangent):
     """attend's output and the gradients of q, k, v for the output cotangent `cotangent`."""
     out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, doc_start), q, k, v)
@@ -76,9 +85,9 @@ def test_blockwise_equals_dense_in_float32(block, common_starts):
     and 40 in every row, query blocks 3-4 skip key blocks 0-2 and blocks 5-7 skip blocks 0-4."""
     q, k, v, doc_start = inputs(block, jnp.float32, common_starts)
     cotangent = jnp.asarray(np.random.default_rng(99).normal(size=(B, L, Q, K, D)))
-    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: attention.blockwise_attention(q, k, v, d, block), *a))(q, k, v, doc_start, cotangent)
+    by_blocks = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, block), *a))(q, k, v, doc_start, cotangent)
     reference = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
-    for name, x, y in zip(["output", "dq", "dk", "dv"], blockwise, reference):
+    for name, x, y in zip(["output", "dq", "dk", "dv"], by_blocks, reference):
         assert x.dtype == jnp.float32
         assert rel_error(x, y) < 1e-5, (name, rel_error(x, y))
 
@@ -89,8 +98,10 @@ def test_key_blocks_before_every_documents_start_are_skipped():
     starts = np.zeros((B, L), bool)
     starts[:, [0, 24, 40]] = True
     starts[1, 50] = True
-    visits = attention.key_blocks_to_visit(attention.to_blocks(document_starts(starts), 8), 8)
-    np.testing.assert_array_equal(np.asarray(visits), [1, 2, 3, 1, 2, 1, 2, 3])
+    positions = jnp.arange(L, dtype=jnp.uint32).reshape(-1, 8)
+    first, stop = attention.key_blocks_to_visit(attention.to_blocks(document_starts(starts), 8), positions, positions, 8)
+    np.testing.assert_array_equal(np.asarray(first), [0, 0, 0, 3, 3, 5, 5, 5])
+    np.testing.assert_array_equal(np.asarray(stop - first), [1, 2, 3, 1, 2, 1, 2, 3])
 
 
 @pytest.mark.slow
@@ -100,9 +111,9 @@ def test_blockwise_in_bfloat16_is_as_close_to_exact_as_dense():
     q, k, v, doc_start = inputs(3, jnp.bfloat16)
     cotangent = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, Q, K, D)))
     exact = jax.jit(lambda *a: output_and_gradients(dense, *a))(*(x.astype(jnp.float32) for x in (q, k, v)), doc_start, cotangent)
-    blockwise = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: attention.blockwise_attention(q, k, v, d, 16), *a))(q, k, v, doc_start, cotangent)
+    by_blocks = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, 16), *a))(q, k, v, doc_start, cotangent)
     dense_bf16 = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
-    for name, x, y, e in zip(["output", "dq", "dk", "dv"], blockwise, dense_bf16, exact):
+    for name, x, y, e in zip(["output", "dq", "dk", "dv"], by_blocks, dense_bf16, exact):
         assert x.dtype == jnp.bfloat16
         assert rel_error(x, e) < 2 * rel_error(y, e) + 1e-3, (name, rel_error(x, e), rel_error(y, e))
 
@@ -115,7 +126,7 @@ def test_documents_do_not_see_each_other():
     k2 = jnp.where(other[:, :, None, None], k, k + 3.0)
     v2 = jnp.where(other[:, :, None, None], v, -v)
     cotangent = jnp.ones((B, L, Q, K, D))
-    run = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: attention.blockwise_attention(q, k, v, d, 8), *a))
+    run = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, 8), *a))
     before, after = run(q, k, v, doc_start, cotangent), run(q, k2, v2, doc_start, cotangent)
     for name, x, y in zip(["output", "dq", "dk", "dv"], before, after):
         np.testing.assert_array_equal(np.asarray(x)[other], np.asarray(y)[other], err_msg=name)
@@ -131,14 +142,14 @@ def test_blockwise_on_a_mesh_equals_unsharded():
     @jax.jit
     @typed_shard_map
     def sharded(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], doc_start: u32[b"B/d L"]) -> f32[b"B/d L Q K/t D"]:
-        o, pullback = jax.vjp(lambda q: attention.blockwise_attention(q, k, v, doc_start, 16), q)
+        o, pullback = jax.vjp(lambda q: attention.ring_attention(q, k, v, doc_start, jnp.arange(L, dtype=jnp.uint32), 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     with jax.set_mesh(make_mesh(4, 2)):
         on_mesh = sharded(q, k, v, doc_start)
 
     def unsharded(q):
-        o, pullback = jax.vjp(lambda q: attention.blockwise_attention(q, k, v, doc_start, 16), q)
+        o, pullback = jax.vjp(lambda q: blockwise(q, k, v, doc_start, 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     np.testing.assert_allclose(np.asarray(on_mesh), np.asarray(jax.jit(unsharded)(q)), rtol=1e-5, atol=1e-5)
@@ -150,5 +161,6 @@ def test_forward_refuses_a_length_that_is_not_whole_blocks():
     cfg = tiny_config()
     weights = jax.eval_shape(lambda: train.init_weights(cfg.model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.uint32)
+    forward = jax.shard_map(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool)), mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
     with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide training.tokens.len=12"):
-        jax.eval_shape(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool)), weights, tokens)
+        jax.eval_shape(forward, weights, tokens)

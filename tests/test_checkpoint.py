@@ -69,7 +69,7 @@ def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression, monkeypatch):
     for d, t in [(4, 2), (2, 4), (1, 1)]:
         step, tree = checkpointer.restore(*targets_on(values, make_mesh(d, t)))
         assert step == 3 and host_bytes(tree) == value_bytes(values), (d, t)
-        assert tree["weights"]["b"].dtype == jnp.bfloat16 and tree["weights"]["b"].sharding.mesh.shape == {"d": d, "t": t}
+        assert tree["weights"]["b"].dtype == jnp.bfloat16 and tree["weights"]["b"].sharding.mesh.shape == {"d": d, "c": 1, "t": t}
     checkpointer.close()
     # What any zarr reader sees: bf16 as uint16 plus its name, one chunk per shard of the 4x2 mesh.
     group = zarr.open_group(str(tmp_path / "0000000003"), mode="r")

@@ -1,5 +1,5 @@
 """The communication report: what the compiled step sends, read from its HLO with loop trip
-counts, against train.communication_per_step's formula; and the HLO facts it rests on."""
+counts, against communication.predicted_per_step's formula; and the HLO facts it rests on."""
 
 import jax
 import pytest
@@ -25,25 +25,28 @@ def test_group_size(attributes, size):
     assert communication.group_size(attributes) == size
 
 
-def compiled_hlo(d: int, t: int) -> tuple:
-    cfg = load_config("local_test_synthetic", ["+paths.model_name=comm", f"mesh.d={d}", f"mesh.t={t}"])
-    mesh = make_mesh(d, t)
+def compiled_hlo(d: int, t: int, c: int = 1) -> tuple:
+    blocks = [] if c == 1 else ["model.attention_block=16"]  # the 2c chunks of a row of 64 are whole blocks
+    cfg = load_config("local_test_synthetic", ["+paths.model_name=comm", f"mesh.d={d}", f"mesh.t={t}", f"mesh.c={c}", *blocks])
+    mesh = make_mesh(d, t, c)
     with jax.set_mesh(mesh):
         return cfg, train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh).as_text()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("d,t", [(8, 1), (4, 2)])
-def test_the_formula_agrees_with_the_compiled_step_within_5_percent(d, t):
-    cfg, hlo = compiled_hlo(d, t)
+@pytest.mark.parametrize("d,t,c", [(8, 1, 1), (4, 2, 1), (2, 2, 2)])
+def test_the_formula_agrees_with_the_compiled_step_within_5_percent(d, t, c):
+    cfg, hlo = compiled_hlo(d, t, c)
     collectives = communication.step_collectives(hlo)
-    measured, predicted = communication.totals(collectives), train.communication_per_step(cfg)
+    measured, predicted = communication.totals(collectives), communication.predicted_per_step(cfg)
     assert set(measured) == set(predicted), (measured, predicted)
     for key, value in predicted.items():
         assert abs(measured[key] / value - 1) <= 0.05, (key, measured[key], value)
     # The layers' scan body counts once per layer: FSDP gathers each layer weight twice per step.
     weight_gathers = [c for c in collectives if c.kind == "all-gather" and c.dtype == "u16"]
     assert sum(c.runs for c in weight_gathers) == 2 * 7 * cfg.model.layers + 1  # 7 matmul weights a layer, + the unembedding
+    # The ring: key and value blocks travel as bf16 bits, their gradients in f32; none without c.
+    assert {x.dtype for x in collectives if x.kind == "collective-permute"} == ({"u16", "u32", "f32"} if c > 1 else set())
     if t == 1:  # FSDP only: weights go as bf16 bits (the embedding table in f32), gradients come back in f32
         assert {c.dtype for c in collectives if c.kind == "reduce-scatter"} == {"f32"}
         assert {(c.dtype, c.bytes_sent) for c in collectives if c.kind == "all-gather" and c.dtype != "u16"} == {("f32", 7 / 8 * 1280 * 256 * 4)}

@@ -111,7 +111,7 @@ def dataset(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mesh():
-    return jax.make_mesh((4, 2), ("d", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh((4, 1, 2), ("d", "c", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def loader_for(dataset, mesh, packed=True, seed=0, streams=1, prefetch=0, batch=B, length=L):

@@ -40,11 +40,8 @@ def dataset(tmp_path, request) -> str:
 
 
 def loader(path: str, prefetch: int = 2):
-    import jax
-
     h = DatasetConfig(path=path, packed=True, seed=0, streams=1, read_block_tokens=CHUNK, shuffle_buffer_tokens=4 * CHUNK, prefetch=prefetch)
-    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8])
-    return make_loader(h, open_flat_tokens(path), "train", 8, 32, mesh)
+    return make_loader(h, open_flat_tokens(path), "train", 8, 32, make_mesh(8, 1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,9 +66,9 @@ def test_one_module_defines_the_attention_kernels_and_their_specification():
     defined = {}
     for module, path in MODULES.items():
         for node in ast.parse(open(path).read()).body:
-            if isinstance(node, ast.FunctionDef) and node.name in ("dense_attention", "blockwise_attention", "causal_document_mask"):
+            if isinstance(node, ast.FunctionDef) and node.name in ("dense_attention", "ring_attention", "causal_document_mask"):
                 defined.setdefault(node.name, []).append(module)
-    assert defined == {"dense_attention": ["attention"], "blockwise_attention": ["attention"], "causal_document_mask": ["attention"]}
+    assert defined == {"dense_attention": ["attention"], "ring_attention": ["attention"], "causal_document_mask": ["attention"]}
 
 
 def test_train_py_is_at_most_500_lines():

@@ -66,9 +66,9 @@ def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
 
 def sharded_loss_and_grads(cfg, mesh, weights, batch):
     @typed_shard_map
-    def on_device(w: train.Model, targets: u32[b"B/d L"], starts: bool_[b"B/d L"], mask: bool_[b"B/d L"]) -> tuple[f32[b""], train.Model]:
+    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"], mask: bool_[b"B/d L/c"]) -> tuple[f32[b""], train.Model]:
         loss, grads = jax.value_and_grad(partial(train.model_loss, cfg.model))(w, targets, starts, mask)
-        return lax.psum(loss, "d"), grads
+        return lax.psum(loss, ("d", "c")), grads
 
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))

@@ -61,9 +61,9 @@ def ours(cfg, mesh, weights, batch):
     targets, starts, mask = batch
 
     @typed_shard_map
-    def on_device(w: train.Model, targets: u32[b"B/d L"], starts: bool_[b"B/d L"], mask: bool_[b"B/d L"]) -> tuple[f32[b"B/d L V/t"], f32[b""]]:
+    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"], mask: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], f32[b""]]:
         inputs = jnp.where(starts, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
-        return train.forward(cfg.model, w, inputs, starts), lax.psum(train.model_loss(cfg.model, w, targets, starts, mask), "d")
+        return train.forward(cfg.model, w, inputs, starts), lax.psum(train.model_loss(cfg.model, w, targets, starts, mask), ("d", "c"))
 
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))

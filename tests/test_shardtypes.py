@@ -52,7 +52,7 @@ def test_shardings_are_named_shardings_on_the_mesh():
 
 
 def test_unknown_mesh_axis_in_sharding_is_rejected():
-    with pytest.raises(ShapeError, match=r"unknown mesh axis 'x'.*the mesh has axes \('d', 't'\)"):
+    with pytest.raises(ShapeError, match=r"unknown mesh axis 'x'.*the mesh has axes \('d', 'c', 't'\)"):
         make_shardings(f32[b"B/x L"], make_mesh(4, 2))
 
 
@@ -159,7 +159,7 @@ def test_unknown_mesh_axis_inside_shard_map_is_caught():
     def outer(x: f32[b"B/d"]) -> f32[b"B/d"]:
         return inner(x)
 
-    with jax.set_mesh(mesh), pytest.raises(ShapeError, match=r"unknown mesh axis 'q'.*the mesh has axes \('d', 't'\)"):
+    with jax.set_mesh(mesh), pytest.raises(ShapeError, match=r"unknown mesh axis 'q'.*the mesh has axes \('d', 'c', 't'\)"):
         jax.jit(outer)(jnp.ones(8))
 
 

@@ -58,7 +58,7 @@ def test_flops_formula_counts_the_matmuls_of_the_forward_pass():
     tokens = lambda dtype, *shape: jax.ShapeDtypeStruct((B, L, *shape), dtype)  # noqa: E731
 
     @typed_shard_map
-    def logits(w: train.Model, inputs: u32[b"B/d L"], is_seq_start: bool_[b"B/d L"]) -> f32[b"B/d L V/t"]:
+    def logits(w: train.Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
         return train.forward(m, w, inputs, is_seq_start)
 
     @typed_shard_map
