@@ -37,7 +37,7 @@ def random_batch(cfg: config.Config, mesh):
     the long-document case that a throughput figure should hold)."""
     B, L = cfg.training.tokens.batch, cfg.training.tokens.len
     rng = np.random.default_rng(0)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c"))  # row 0 of the zigzag layout is position 0
     targets = jax.device_put(rng.integers(1, cfg.model.vocab, (B, L)).astype(np.uint32), sharding)
     starts = jax.device_put(np.arange(L)[None, :].repeat(B, 0) == 0, sharding)
     mask = jax.device_put(np.ones((B, L), bool), sharding)
@@ -47,7 +47,7 @@ def random_batch(cfg: config.Config, mesh):
 def time_steps(cfg: config.Config, steps: int, warmup: int):
     """Compiles the training step ahead of time, then times warmup + steps steps.
     Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
-    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t)
+    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=jax.devices()[: cfg.mesh.d * cfg.mesh.t * cfg.mesh.c])
     batch = random_batch(cfg, mesh)
     times = []
     with jax.set_mesh(mesh):

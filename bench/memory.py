@@ -40,12 +40,12 @@ def parameter_count(state: train.State) -> int:
 
 
 def config_mesh(cfg: config.Config):
-    """The config's (d, t) mesh on the first d*t devices of this machine."""
-    needed = cfg.mesh.d * cfg.mesh.t
+    """The config's (d, t, c) mesh on the first d*t*c devices of this machine."""
+    needed = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
     if needed > jax.device_count():
-        raise SystemExit(f"mesh d={cfg.mesh.d} t={cfg.mesh.t} needs {needed} devices, this machine has {jax.device_count()}; "
+        raise SystemExit(f"mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c} needs {needed} devices, this machine has {jax.device_count()}; "
                          f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
-    return train.make_mesh(cfg.mesh.d, cfg.mesh.t, devices=jax.devices()[:needed])
+    return train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=jax.devices()[:needed])
 
 
 def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
@@ -60,18 +60,18 @@ def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]
 
 def measure(name: str, overrides: list[str], report: bool) -> dict:
     cfg = config.load_config(name, overrides + ["+paths.model_name=memory"])
-    config.validate_config(cfg, cfg.mesh.d * cfg.mesh.t, max_token_id=0)
+    config.validate_config(cfg, cfg.mesh.d * cfg.mesh.t * cfg.mesh.c, max_token_id=0)
     mesh = config_mesh(cfg)
     terms, state, residuals, logits = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
         compiled = train.compile_training_step(cfg, state, mesh)
     if report:
-        title = f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t}, compiled for {jax.devices()[0].device_kind}"
+        title = f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}, compiled for {jax.devices()[0].device_kind}"
         print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
     return {
         "config": name,
         "parameters": parameter_count(state),
-        "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t}",
+        "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}",
         "batch": f"{cfg.training.tokens.batch} x {cfg.training.tokens.len}",
         "estimate_gib": sum(size for _, size in terms) / GiB,
         "xla_cpu_peak_gib": memory.compiled_peak_bytes(compiled.memory_analysis()) / GiB,

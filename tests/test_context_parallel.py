@@ -82,6 +82,7 @@ def test_ring_attention_equals_dense_attention_in_float32(c):
         assert error < 1e-5, (name, c, error)
 
 
+@pytest.mark.slow  # writes the synthetic dataset (seconds): the fast tier keeps the layout's arithmetic above
 def test_the_loader_hands_each_device_its_two_chunks(tmp_path):
     """With mesh.c = 4 the batch is the c = 1 batch with each row in zigzag order, and the
     shard of device (d, c=r) holds row positions of chunks r and 7 - r."""
