@@ -136,6 +136,13 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
     ]
+    # Ring attention (mesh.c > 1) holds, besides a layer's own k and v, the arriving shard of
+    # them (bf16) and, in the backward pass, the f32 gradients of the held shard travelling on
+    # and of the arriving one: 2 + 2 x 4 bytes per element of k and of v, for one layer at a time.
+    w_k = state.weights.layers.w_k  # [layers, M, K, D] split as M/d/c K/t
+    kv_elements = math.prod(logits.shape[:2]) * math.prod(w_k.sharding.shard_shape(w_k.shape)[2:])  # B/d L/c x K/t D
+    if w_k.sharding.mesh.shape.get("c", 1) > 1:
+        terms.append(("ring attention: a shard of k and v in flight (bf16), and their f32 gradients", 2 * kv_elements * (2 + 2 * 4)))
     on_xla_cpu = jax.devices()[0].platform == "cpu" if xla_cpu is None else xla_cpu
     if on_xla_cpu:
         # XLA:CPU has no bf16 arithmetic: before the backward loop it converts every stacked

@@ -50,16 +50,17 @@ def memory_row(length: int, c: int, overrides: list[str]) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--memory-length", type=int, default=8192)
+    parser.add_argument("--memory-length", type=int, default=8192, help="0: skip the memory part")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; local_test_synthetic with {' '.join(MODEL + args.overrides)}")
 
-    print(f"\nMemory per device, rows of {args.memory_length}, c devices (d = t = 1):")
-    print(f"{'c':>3} {'activations (annotations)':>26} {'x c':>9} {'XLA temporaries':>16} {'x c':>9} {'XLA peak':>10}")
-    for c in (1, 2, 4, 8):
+    if args.memory_length:
+        print(f"\nMemory per device, rows of {args.memory_length}, c devices (d = t = 1):")
+        print(f"{'c':>3} {'activations (annotations)':>26} {'x c':>9} {'XLA temporaries':>16} {'x c':>9} {'XLA peak':>10}")
+    for c in (1, 2, 4, 8) if args.memory_length else ():
         row = memory_row(args.memory_length, c, args.overrides)
         print(f"{c:>3} {row['activations'] / MiB:>22.1f} MiB {row['activations'] * c / MiB:>9.1f} {row['temp'] / MiB:>12.1f} MiB "
               f"{row['temp'] * c / MiB:>9.1f} {row['peak'] / MiB:>6.1f} MiB", flush=True)

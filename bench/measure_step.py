@@ -37,7 +37,9 @@ def random_batch(cfg: config.Config, mesh):
     the long-document case that a throughput figure should hold)."""
     B, L = cfg.training.tokens.batch, cfg.training.tokens.len
     rng = np.random.default_rng(0)
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c"))  # row 0 of the zigzag layout is position 0
+    # Rows over d, positions over c (position 0 comes first in the zigzag layout too); a mesh
+    # without c is an older commit's, which bench/compare_commits.py runs.
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c" if "c" in mesh.axis_names else None))
     targets = jax.device_put(rng.integers(1, cfg.model.vocab, (B, L)).astype(np.uint32), sharding)
     starts = jax.device_put(np.arange(L)[None, :].repeat(B, 0) == 0, sharding)
     mask = jax.device_put(np.ones((B, L), bool), sharding)

@@ -12,7 +12,9 @@ Two figures per device, both in GiB:
   f32 copies that only XLA:CPU makes: what a GPU or TPU holds, give or take XLA's temporaries.
 - XLA:CPU peak: memory_analysis() of the step compiled here. XLA:CPU has no bf16 arithmetic and
   fuses differently from XLA:GPU/TPU, so this is a second opinion, usually the larger.
---report prints the whole memory report (memory.memory_report) of each config.
+--report prints the whole memory report (memory.memory_report) of each config, and
+--communication its communication report (communication.py: the compiled step's collectives,
+loops counted, next to the formula, and their time at NVLink, InfiniBand and ICI bandwidths).
 """
 
 import argparse
@@ -21,6 +23,7 @@ from functools import partial
 
 import jax
 
+import communication
 import config
 import memory
 import train
@@ -58,7 +61,7 @@ def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]
     return terms, state, residuals, logits
 
 
-def measure(name: str, overrides: list[str], report: bool) -> dict:
+def measure(name: str, overrides: list[str], report: bool, communication_report: bool = False) -> dict:
     cfg = config.load_config(name, overrides + ["+paths.model_name=memory"])
     config.validate_config(cfg, cfg.mesh.d * cfg.mesh.t * cfg.mesh.c, max_token_id=0)
     mesh = config_mesh(cfg)
@@ -68,6 +71,9 @@ def measure(name: str, overrides: list[str], report: bool) -> dict:
     if report:
         title = f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}, compiled for {jax.devices()[0].device_kind}"
         print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
+    if communication_report:
+        measured = communication.totals(communication.step_collectives(compiled.as_text()))
+        print(communication.report(f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", measured, communication.predicted_per_step(cfg)))
     return {
         "config": name,
         "parameters": parameter_count(state),
@@ -82,11 +88,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", nargs="+", required=True, help="config names (configs/NAME.yaml)")
     parser.add_argument("--report", action="store_true", help="print each config's whole memory report")
+    parser.add_argument("--communication", action="store_true", help="print each config's communication report")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --")
     args = parser.parse_args(argv)
     print(f"{'config':<14} {'parameters':>15} {'mesh':>9} {'batch':>11} {'estimate':>12} {'XLA:CPU peak':>13}  (per device)")
     for name in args.config:
-        row = measure(name, args.overrides, args.report)
+        row = measure(name, args.overrides, args.report, args.communication)
         sizes = f"{row['estimate_gib']:>8.1f} GiB {row['xla_cpu_peak_gib']:>9.1f} GiB"
         print(f"{row['config']:<14} {row['parameters']:>15,} {row['mesh']:>9} {row['batch']:>11} {sizes}", flush=True)
 

@@ -2,6 +2,7 @@
 attention, training steps against one device, and checkpoints that do not depend on c."""
 
 import os
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -10,12 +11,13 @@ import pytest
 from omegaconf import OmegaConf
 
 import attention
+import memory
 import sample
 import train
 from checkpoint import Checkpointer
 from config import ConfigError, validate_config
 from data_loader import make_loader, zigzag_chunks, zigzag_order
-from fixtures import make_mesh, synthetic_dataset, tiny_config
+from fixtures import abstract_state, make_mesh, synthetic_dataset, tiny_config
 from flat_tokens import open_flat_tokens
 from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
@@ -192,3 +194,20 @@ def test_sample_reads_a_run_trained_with_c2_and_says_it_runs_with_c1(long_rows, 
     out = capsys.readouterr()
     assert "checkpoint 2 of" in out.err and "c=1 (the run trained with mesh.c=2" in out.err
     assert len(out.out.split("\n")[1].split()) == 5  # the prompt's 2 ids and 3 new ones
+
+
+def test_the_memory_reports_activations_fall_as_one_over_c():
+    """What the layers save for backward and the logits, per device from the annotations, at c
+    = 1, 2, 4 on c devices: exactly 1/c; the ring's shards in flight are a term of their own."""
+    activations, ring = {}, {}
+    for c in (1, 2, 4):
+        cfg, mesh = tiny_config("training.tokens.len=64", "model.attention_block=4", "mesh.d=1", "mesh.t=1", f"mesh.c={c}"), make_mesh(1, 1, c)
+        with jax.set_mesh(mesh):
+            state = abstract_state(cfg, mesh)
+            terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)),
+                                              xla_cpu=False)
+        activations[c] = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
+        ring[c] = sum(size for name, size in terms if name.startswith("ring attention"))
+    assert activations[1] == 2 * activations[2] == 4 * activations[4]
+    kv_elements = 8 * 64 // 2 * cfg.model.n_kv * cfg.model.d_head  # B x L/c x K x D at c = 2
+    assert ring == {1: 0, 2: 2 * kv_elements * 10, 4: kv_elements * 10}
