@@ -96,14 +96,20 @@ def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, bl
     return first, stop
 
 
+def shard_blocks(shard, block: int):
+    """(x, y, doc_start, row_position) of one device's positions, (k, v, ...) or (q, do, ...):
+    x, y [B, L, ...], doc_start [B, L] and row_position [L] cut into blocks, block index first
+    ([N, B, block, ...] and [N, block])."""
+    x, y, doc_start, row_position = shard
+    return (*(to_blocks(a, block) for a in (x, y, doc_start)), row_position.reshape(-1, block))
+
+
 def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block: int):
     """One ring step of the forward pass: every query block against the blocks it must see of
     the key and value shard kv = (k, v, doc_start, row_position), by online softmax (Milakov &
     Gimelshein 2018): each query keeps a running max, the sum of exp(score - max) and the sum
     of its weighted values (carry, for all query blocks), rescaled whenever the max grows."""
-    k, v, k_start, k_position = kv
-    k_blocks, v_blocks, k_start_blocks = (to_blocks(x, block) for x in (k, v, k_start))
-    k_position_blocks = k_position.reshape(-1, block)
+    k_blocks, v_blocks, k_start_blocks, k_position_blocks = shard_blocks(kv, block)
     first, stop = key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block)
 
     def attend(n_and_carry):
@@ -117,7 +123,7 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
             new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
             rescale = jnp.exp(running_max - new_max)
             weights = jnp.exp(scores - new_max[..., None])
-            weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v.dtype), v_blocks[j])
+            weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v_blocks.dtype), v_blocks[j])
             return new_max, denominator * rescale + jnp.sum(weights, axis=-1), numerator * rescale[..., None] + weighted_values
 
         return lax.fori_loop(0, stop[n] - first[n], add_key_block, carry)
@@ -153,9 +159,7 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
     device's share of dq [N, B, L, Q, K, D] and of the visiting shard's dk, dv [B, S, K, D]
     (float32). Each pair's softmax weights P are recomputed from its scores and the saved
     log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
-    k, v, k_start, k_position = kv
-    k_blocks, v_blocks, k_start_blocks = (to_blocks(x, block) for x in (k, v, k_start))
-    k_position_blocks = k_position.reshape(-1, block)
+    k_blocks, v_blocks, k_start_blocks, k_position_blocks = shard_blocks(kv, block)
     first, stop = key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block)
     scale = q_blocks.shape[-1] ** -0.5
 
@@ -168,7 +172,7 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
             j = stop[n] - 1 - step
             scores = block_scores(q_n, k_blocks[j], start_n, k_start_blocks[j], position_n, k_position_blocks[j])
             weights = jnp.exp(scores - log_sum_exp[n][..., None])
-            dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v.dtype), do_n))
+            dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v_blocks.dtype), do_n))
             d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_n, v_blocks[j])
             d_scores = (weights * (d_weights - delta_n[..., None]) * scale).astype(q_blocks.dtype)
             dk = add_to_block(dk, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", d_scores, q_n))
@@ -187,8 +191,7 @@ def ring_attention_backward(block: int, saved, do):
     and the gradients of each key and value shard travel with it, each device adding its share,
     until they come home."""
     q, k, v, o, log_sum_exp, doc_start, row_position = saved
-    q_blocks, do_blocks, q_start_blocks = (to_blocks(x, block) for x in (q, do, doc_start))
-    q_position_blocks = row_position.reshape(-1, block)
+    q_blocks, do_blocks, q_start_blocks, q_position_blocks = shard_blocks((q, do, doc_start, row_position), block)
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP.
     delta_blocks = to_blocks(einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o), block)
 

@@ -217,11 +217,9 @@ def check_attention_blocks(h: ModelConfig, length: int, c: int = 1):
 def validate_config(cfg: Config, n_devices: int, max_token_id: int):
     """Every mismatch between config, devices and data, found before any compilation."""
     m, d, t, c = cfg.model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
-    if c == 1 and (d < 1 or t < 1 or d * t != n_devices):
-        raise ConfigError(f"mesh.d={d} x mesh.t={t} = {d * t} must equal the {n_devices} devices; choose mesh.d and mesh.t whose product is {n_devices}")
     if d < 1 or t < 1 or c < 1 or d * t * c != n_devices:
-        raise ConfigError(f"mesh.d={d} x mesh.t={t} x mesh.c={c} = {d * t * c} must equal the {n_devices} devices; "
-                          f"choose mesh.d, mesh.t and mesh.c whose product is {n_devices}")
+        shown, keys = (f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1 else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c")
+        raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; choose {keys} whose product is {n_devices}")
     for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("d_ff", m.d_ff), ("vocab", m.vocab)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")

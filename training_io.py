@@ -251,12 +251,16 @@ class RunLog:
         # Rendered in the background; close() waits for it.
         self.dot_process = subprocess.Popen(["dot", "-Tsvg", path("dot"), "-o", path("svg")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
+    def mesh_title(self) -> str:
+        """The reports' title: the mesh and the devices."""
+        return f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+
     def memory_report(self, compiled, state, mesh, layer):
         """Prints the memory report and writes memory_report.txt (memory.py; see
         memory.memory_annotations for `layer`)."""
         if not self.writes:
             return
-        title = f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        title = self.mesh_title()
         text, _, _ = memory.memory_report(compiled, state, self.cfg.model.layers, *memory.memory_annotations(self.cfg, mesh, state, layer), title)
         self.print(text.rstrip())
         self.write("memory_report.txt", text)
@@ -267,7 +271,7 @@ class RunLog:
         if not self.writes:
             return
         predicted = communication.predicted_per_step(self.cfg)
-        title = f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        title = self.mesh_title()
         try:
             measured = communication.totals(communication.step_collectives(compiled.as_text()))
         except ValueError as e:  # a report must not stop a run, e.g. if a new XLA prints HLO differently

@@ -16,7 +16,6 @@ of one document (no block skipped by documents).
 """
 
 import argparse
-from functools import partial
 
 import jax
 import numpy as np
@@ -25,7 +24,7 @@ import config
 import memory
 import train
 from bench.measure_step import time_steps
-from bench.memory import abstract_state
+from bench.memory import accelerator_estimate
 
 MiB = 2**20
 MODEL = ["model.attention_block=256", "training.tokens.batch=1", "model.n_kv=8", "model.n_q_per_kv=1"]
@@ -39,11 +38,9 @@ def load(length: int, d: int, t: int, c: int, overrides: list[str]) -> config.Co
 def memory_row(length: int, c: int, overrides: list[str]) -> dict:
     cfg = load(length, 1, 1, c, overrides)
     mesh = train.make_mesh(1, 1, c, devices=jax.devices()[:c])
+    terms, state, _, _ = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
-        state = abstract_state(cfg, mesh)
-        residuals, logits = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
         analysis = train.compile_training_step(cfg, state, mesh).memory_analysis()
-    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits, xla_cpu=False)
     activations = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
     return {"c": c, "activations": activations, "temp": analysis.temp_size_in_bytes, "peak": memory.compiled_peak_bytes(analysis)}
 
