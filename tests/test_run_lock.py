@@ -13,7 +13,7 @@ import pytest
 
 import run_lock
 from config import ConfigError
-from fixtures import snapshot
+from fixtures import snapshot, synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "training.tokens.batch=8",
@@ -30,9 +30,8 @@ def start_train(root, name: str, dataset: str) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("data") / "synthetic.zarr")
-    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", path], cwd=ROOT, check=True, capture_output=True)
-    return path
+    """The synthetic tasks at a two-hundredth of the default size: 12 steps read 6144 tokens."""
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "3000")
 
 
 def losses(run_dir) -> list[tuple[int, float]]:
