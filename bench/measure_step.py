@@ -80,10 +80,11 @@ def peak_memory(compiled) -> tuple[int | None, str]:
 def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
     cfg = config.load_config(name, overrides + ["+paths.model_name=bench"])
     n = jax.device_count()
-    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={cfg.mesh.d} t={cfg.mesh.t}", steps=steps,
+    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={cfg.mesh.d} t={cfg.mesh.t}" + (f" c={cfg.mesh.c}" if cfg.mesh.c > 1 else ""), steps=steps,
               warmup=warmup, tokens_per_step=cfg.training.tokens.batch * cfg.training.tokens.len)
-    if cfg.mesh.d * cfg.mesh.t != n:
-        row.status, row.note = "skipped", f"its mesh is for {cfg.mesh.d * cfg.mesh.t} device(s), this machine has {n}"
+    needed = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
+    if needed != n:
+        row.status, row.note = "skipped", f"its mesh is for {needed} device(s), this machine has {n}"
         return row
     config.validate_config(cfg, n, max_token_id=0)  # the batch is random tokens below model.vocab
     compiled, row.compile_seconds, times = time_steps(cfg, steps, warmup)

@@ -17,7 +17,7 @@ import pytest
 import config
 import train
 import training_io
-from bench import compare_commits, memory, throughput
+from bench import compare_commits, measure_step, memory, throughput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = ["gpu1_125m", "gpu1_350m", "gpu1_1b", "gpu1_2b", "gpu8_125m", "gpu8_350m", "gpu8_1b", "gpu8_2b", "tpu8_1b"]
@@ -126,6 +126,12 @@ def test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config(tmp_path)
     assert failed["status"] == "failed" and "ConfigError" in failed["note"] and "training.tokens.batch=3" in failed["note"], failed
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 4 and lines[2].startswith("| gpu1_125m ") and lines[3].startswith("| local_test_synthetic ")
+
+
+def test_a_mesh_with_c_counts_its_devices():
+    """mesh.c multiplies the devices a config needs: on 8 devices a 1x1x4 mesh is skipped, named with its c."""
+    row = measure_step.measure("local_test_synthetic", ["mesh.d=1", "mesh.t=1", "mesh.c=4"], steps=1, warmup=0)
+    assert (row.status, row.mesh, row.note) == ("skipped", "d=1 t=1 c=4", "its mesh is for 4 device(s), this machine has 8"), row
 
 
 def test_throughput_timeout_and_budget_become_rows(tmp_path):
