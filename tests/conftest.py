@@ -116,6 +116,16 @@ def check_unchanged(threads: set, state: dict, who: str):
         pytest.fail(f"{who} left the process changed:\n  " + "\n  ".join(problems), pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def default_dataset(tmp_path_factory) -> str:
+    """tools/write_synthetic_dataset.py's dataset with the tool's defaults (what `make train`
+    uses), written once for the session (about 6 s on 2 cores): the tests that need the full
+    size only read it."""
+    from fixtures import synthetic_dataset
+
+    return synthetic_dataset(tmp_path_factory.mktemp("default_dataset") / "synthetic.zarr")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def module_leaves_the_process_as_it_found_it():
     """The same for what a module's fixtures start and stop (set up before the module's tests)."""
