@@ -141,26 +141,35 @@ def train_args(root, dataset: str, name: str, *overrides: str) -> list[str]:
     return ["--config-name=local_test_synthetic", *run_overrides(root, dataset, name, *overrides)]
 
 
-def child_env(devices: int | None = 8, cache=None) -> dict:
+def child_env(devices: int | None = 8, cache=None, graph: bool = True) -> dict:
     """This process's environment for a child: `devices` simulated CPU devices (None: no
     XLA_FLAGS, for a launcher that sets its own) and, with `cache`, a persistent compilation
-    cache in that folder that keeps every entry (children that compile the same step share it)."""
+    cache in that folder that keeps every entry (children that compile the same step share it).
+
+    graph=False leaves graphviz's `dot` off the PATH (every folder that holds one is dropped), for
+    a test that reads neither training_step.svg nor the warning line this gives on stderr: a run
+    then writes training_step.dot but does not draw it. Drawing it takes `dot` about 15 s of CPU
+    for TINY's step on 2 cores, which the run shares and waits for at its end (training_io.RunLog,
+    up to 30 s; local_test_synthetic's step takes longer than that)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     if cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    if not graph:
+        env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "dot")))
     return env
 
 
-def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m train ARGS` to its end, its output captured as text."""
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache), capture_output=True, text=True, timeout=timeout)
+def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600, graph: bool = True) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` to its end, its output captured as text (`graph`: see child_env)."""
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph), capture_output=True, text=True,
+                          timeout=timeout)
 
 
-def start_train(args: list[str], devices: int = 8, cache=None, **popen) -> subprocess.Popen:
-    """`python -m train ARGS` started in the background (Popen keywords in `popen`)."""
-    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache), **popen)
+def start_train(args: list[str], devices: int = 8, cache=None, graph: bool = True, **popen) -> subprocess.Popen:
+    """`python -m train ARGS` started in the background (Popen keywords in `popen`; `graph`: see child_env)."""
+    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph), **popen)
 
 
 def run_processes(script: str, n: int, *args: str, timeout: int = 120) -> list[str]:
