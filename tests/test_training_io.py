@@ -26,7 +26,7 @@ import memory
 import train
 import training_io
 from config import load_config
-from fixtures import abstract_state, make_mesh, run_train, synthetic_dataset, tiny_config, train_args
+from fixtures import abstract_state, make_mesh, run_train, tiny_config, train_args
 from jax_extra import save_for_backward
 from shardlib.shardtypes import bool_, f32, typed_shard_map, u32
 
@@ -204,10 +204,10 @@ def test_missing_graphviz_is_a_warning(tmp_path, monkeypatch, capsys):
 
 
 @pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
-    """Four steps of local_test_synthetic, as `make train` runs it."""
+def short_run(tmp_path_factory, default_dataset):
+    """Four steps of local_test_synthetic, as `make train` runs it (on its dataset)."""
     root = tmp_path_factory.mktemp("runs")
-    result = run_train(train_args(root, synthetic_dataset(root / "synthetic.zarr"), "obs", "training.steps=4"))
+    result = run_train(train_args(root, default_dataset, "obs", "training.steps=4"))
     assert result.returncode == 0, result.stderr[-3000:]
     return root / "obs", result
 
