@@ -17,7 +17,7 @@ import train
 from checkpoint import Checkpointer
 from config import ConfigError, validate_config
 from data_loader import make_loader, zigzag_chunks, zigzag_order
-from fixtures import abstract_state, make_mesh, synthetic_dataset, tiny_config
+from fixtures import abstract_state, make_mesh, tiny_config
 from flat_tokens import open_flat_tokens
 from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
@@ -84,11 +84,11 @@ def test_ring_attention_equals_dense_attention_in_float32(c):
         assert error < 1e-5, (name, c, error)
 
 
-@pytest.mark.slow  # writes the synthetic dataset (seconds): the fast tier keeps the layout's arithmetic above
-def test_the_loader_hands_each_device_its_two_chunks(tmp_path):
+@pytest.mark.slow  # reads the default synthetic dataset (written once per session, seconds): the fast tier keeps the layout's arithmetic above
+def test_the_loader_hands_each_device_its_two_chunks(default_dataset):
     """With mesh.c = 4 the batch is the c = 1 batch with each row in zigzag order, and the
     shard of device (d, c=r) holds row positions of chunks r and 7 - r."""
-    dataset = open_flat_tokens(synthetic_dataset(tmp_path / "data.zarr"))
+    dataset = open_flat_tokens(default_dataset)
     cfg = tiny_config("training.tokens.len=64")
     batches = {}
     for c in (1, 4):
@@ -132,11 +132,11 @@ def run_steps(cfg, mesh, batches, state, steps) -> tuple[train.State, list[float
 
 
 @pytest.fixture(scope="module")
-def long_rows(tmp_path_factory):
+def long_rows(tmp_path_factory, default_dataset):
     """The losses of steps 0-2 on 1x1x1 and on d=2 t=2 c=2, and the c=2 run's checkpoint 2."""
     root = tmp_path_factory.mktemp("context")
-    dataset = open_flat_tokens(synthetic_dataset(root / "data.zarr"))
-    configs = {c: tiny_config(*LONG, f"mesh.d={d}", f"mesh.t={t}", f"mesh.c={c}", f"dataset.path={root / 'data.zarr'}")
+    dataset = open_flat_tokens(default_dataset)
+    configs = {c: tiny_config(*LONG, f"mesh.d={d}", f"mesh.t={t}", f"mesh.c={c}", f"dataset.path={default_dataset}")
                for d, t, c in [(1, 1, 1), (2, 2, 2), (1, 2, 4)]}
 
     def batches(step, mesh):
