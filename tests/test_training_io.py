@@ -5,6 +5,7 @@ whose run directory holds all of it."""
 import gzip
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -201,6 +202,17 @@ def test_missing_graphviz_is_a_warning(tmp_path, monkeypatch, capsys):
     log.close()
     assert "graphviz" in capsys.readouterr().err
     assert (tmp_path / "training_step.dot").exists() and not (tmp_path / "training_step.svg").exists()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_the_graph_is_drawn_at_the_lowest_priority(tmp_path, monkeypatch):
+    """The background `dot` takes no CPU from the steps: nice 19 (and the run still waits for its svg)."""
+    monkeypatch.setattr(training_io, "peak_flops", lambda: (1e12, "test"))
+    log = training_io.RunLog(str(tmp_path), "x: 1\n", fake_config(1), 0, train.model_flops_per_token)
+    log.compile(compiled_loop)
+    assert os.getpriority(os.PRIO_PROCESS, log.dot_process.pid) == 19  # not yet waited for: it exists, finished or not
+    log.close()
+    assert ElementTree.parse(tmp_path / "training_step.svg").getroot().tag.endswith("svg")
 
 
 @pytest.fixture(scope="module")
