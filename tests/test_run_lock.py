@@ -13,7 +13,7 @@ import pytest
 
 import run_lock
 from config import ConfigError
-from fixtures import snapshot, synthetic_dataset
+from fixtures import child_env, snapshot, synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "training.tokens.batch=8",
@@ -22,7 +22,7 @@ SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128"
 
 
 def start_train(root, name: str, dataset: str) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = child_env(8, graph=False)  # nothing here reads training_step.svg
     cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}",
            f"dataset.path={dataset}", *SMALL]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
