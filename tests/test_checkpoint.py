@@ -272,7 +272,8 @@ STEPS, INTERVAL = 24, 3
 
 def train_process(root, dataset, name, cache, *changes: str) -> subprocess.Popen:
     overrides = tiny_overrides(f"training.steps={STEPS}", f"checkpoint_interval={INTERVAL}", "checkpoints.keep=0", *changes)
-    return start_train(train_args(root, dataset, name, *overrides), cache=cache, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # No training_step.svg (graph=False, fixtures.child_env): nothing here reads it, and a killed run's `dot` would draw on.
+    return start_train(train_args(root, dataset, name, *overrides), cache=cache, graph=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def logged(run_dir) -> list[dict]:
