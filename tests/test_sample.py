@@ -92,7 +92,8 @@ def text_run(tmp_path_factory):
                             "--txt-documents", "paragraph", "--validation-documents", "8")
     result = run_train(["--config-name=local_test_text", *run_overrides(root, data, "text"),
         "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=264", "training.tokens.batch=8", "training.tokens.len=64",
-        "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", "dataset.streams=1"])
+        "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", "dataset.streams=1"],
+        graph=False)  # sampling reads the checkpoint and config.yaml, not training_step.svg (fixtures.child_env)
     assert result.returncode == 0, result.stderr[-3000:]
     return str(root / "text")
 
@@ -133,7 +134,7 @@ def synthetic_run(tmp_path_factory):
     train` trains one, by `python -m train` in a child process."""
     root = tmp_path_factory.mktemp("synthetic")
     data = synthetic_dataset(root / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "2000")
-    result = run_train(train_args(root, data, "synthetic", *tiny_overrides("training.steps=10", "eval_batches=0", "checkpoint_interval=10")))
+    result = run_train(train_args(root, data, "synthetic", *tiny_overrides("training.steps=10", "eval_batches=0", "checkpoint_interval=10")), graph=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return str(root / "synthetic")
 
