@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from fixtures import TINY
+from fixtures import TINY, synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 10
@@ -23,10 +23,7 @@ NATIVE = ("Check failure stack trace", "Terminating process because", "Fatal Pyt
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("peer_loss") / "data.zarr")
-    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", path, "--train-tokens", "100000", "--validation-tokens", "10000"],
-                   cwd=ROOT, check=True, capture_output=True)
-    return path
+    return synthetic_dataset(tmp_path_factory.mktemp("peer_loss") / "data.zarr", "--train-tokens", "100000", "--validation-tokens", "10000")
 
 
 def environment(tmp_path) -> dict:
