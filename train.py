@@ -169,8 +169,8 @@ def rms_norm(x, weight, eps: float):
 
 def rope(x, position, base: float):
     """Rotary embedding (RoFormer, Su et al. 2021) on the last dim, rotate-half layout.
-    x: [B, L, ..., D], position: [B, L]; computed in float32."""
-    x, D = x.astype(jnp.float32), x.shape[-1]
+    x: [B, L, ..., D] float32, position: [B, L]."""
+    D = x.shape[-1]
     inverse_timescale = base ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)  # [D/2]
     angle = position.astype(jnp.float32)[..., None] * inverse_timescale  # [B, L, D/2]
     angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:])
@@ -192,12 +192,9 @@ def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
     w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, MATMUL_DTYPE)
     w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, MATMUL_DTYPE)
     w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, MATMUL_DTYPE)
-    # Projections that feed another matmul come out as MATMUL_DTYPE (still accumulated in
-    # float32): no float32 copy is written and converted. Scores, logits and every output that
-    # is summed across devices stay float32.
-    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q, preferred_element_type=MATMUL_DTYPE)
-    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k, preferred_element_type=MATMUL_DTYPE)
-    v = save_for_backward(einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v, preferred_element_type=MATMUL_DTYPE))
+    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
+    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
+    v = save_for_backward(einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE))
     q = save_for_backward(rope(q, position, h.rope_base).astype(MATMUL_DTYPE))
     k = save_for_backward(rope(k, position, h.rope_base).astype(MATMUL_DTYPE))
     o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
@@ -209,8 +206,8 @@ def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
     nx = save_for_backward(rms_norm(nx, w.ffn_norm, h.norm_eps).astype(MATMUL_DTYPE))
     w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, MATMUL_DTYPE)
     w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, MATMUL_DTYPE)
-    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate, preferred_element_type=MATMUL_DTYPE))
-    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up, preferred_element_type=MATMUL_DTYPE))
+    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
+    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
     gate_f32 = gate.astype(jnp.float32)  # elementwise math in float32: one fused pass, no bfloat16 rounding after each op
     hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(MATMUL_DTYPE)  # silu(gate) * up
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
