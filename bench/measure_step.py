@@ -80,7 +80,8 @@ def peak_memory(compiled) -> tuple[int | None, str]:
 def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
     cfg = config.load_config(name, overrides + ["+paths.model_name=bench"])
     n = jax.device_count()
-    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=f"d={cfg.mesh.d} t={cfg.mesh.t}" + (f" c={cfg.mesh.c}" if cfg.mesh.c > 1 else ""), steps=steps,
+    mesh = f"d={cfg.mesh.d} t={cfg.mesh.t}" + (f" c={cfg.mesh.c}" if cfg.mesh.c > 1 else "")
+    row = Row(config=name, status="ok", devices=f"{n} x {jax.devices()[0].device_kind}", mesh=mesh, steps=steps,
               warmup=warmup, tokens_per_step=cfg.training.tokens.batch * cfg.training.tokens.len)
     needed = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
     if needed != n:
