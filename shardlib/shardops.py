@@ -110,17 +110,29 @@ def _gathers(op: str, spec: str, x) -> list[tuple[int, tuple[str, ...]]]:
     return gathers
 
 
+# XLA's collectives need each device's block contiguous in memory. For a dimension that is
+# not the first, XLA would get that by giving the array (and, through layout assignment, every
+# op that touches it: the residual stream's adds, norms and matmuls) a layout with that
+# dimension outermost, which makes all of those ops strided. Instead the blocks are put in
+# front explicitly, one transpose at each collective, and every other op keeps the row-major
+# layout: [.., n * b, ..] <-> [n, .., b, ..].
+
+
 def _gather(gathers, x):
     for dim, axes in gathers:
-        if lax.axis_size(axes) > 1:  # over one device the identity: no op at all (and no change of type)
-            x = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=dim, tiled=True)
+        n = lax.axis_size(axes)
+        if n > 1:  # over one device the identity: no op at all (and no change of type)
+            blocks = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=0, tiled=False)  # [n, ..., b, ...]
+            x = jnp.moveaxis(blocks, 0, dim).reshape(x.shape[:dim] + (n * x.shape[dim],) + x.shape[dim + 1 :])
     return x
 
 
 def _scatter(scatters, x):
     for dim, axes in scatters:
-        if lax.axis_size(axes) > 1:
-            x = lax.psum_scatter(x, axes if len(axes) > 1 else axes[0], scatter_dimension=dim, tiled=True)
+        n = lax.axis_size(axes)
+        if n > 1:
+            blocks = jnp.moveaxis(x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1 :]), dim, 0)  # [n, ..., b, ...]
+            x = lax.psum_scatter(blocks, axes if len(axes) > 1 else axes[0], scatter_dimension=0, tiled=False)
     return x
 
 
