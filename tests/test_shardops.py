@@ -1,6 +1,8 @@
 """Each shardops op on 8 simulated devices against plain numpy, forward and gradient, and
 every malformed spec rejected before any computation."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,55 @@ def test_psum_scatter_over_two_axes(mesh):
         return psum_scatter("B M -> B M/d/t", x[0])
 
     check_close(jax.jit(scattered)(x), x.sum(0))
+
+
+def test_gather_and_scatter_of_an_inner_dimension_move_its_blocks_to_the_front(mesh):
+    """A gather or scatter over a dimension that is not the first gives the right values and
+    gradients, and compiles to collectives over dimension 0 with every array row-major: XLA
+    would otherwise make the whole array (and what touches it) strided."""
+    x, c = rand(3, 16, 5), rand(3, 16, 5)
+
+    @typed_shard_map
+    def round_trip(x: f32[b"B M/d/t L"], c: f32[b"B M L"]) -> f32[b""]:
+        gathered = all_gather("B M/d/t L -> B M L", x)
+        return lax.psum(jnp.sum(psum_scatter("B M L -> B M/d/t L", gathered * c) * x), ("d", "t"))
+
+    value, grad = jax.jit(jax.value_and_grad(round_trip))(x, c)
+    check_close(value, 8 * np.sum(x * x * c))  # every device's partial sum is the same gathered * c
+    check_close(grad, 16 * x * c)
+    text = jax.jit(jax.value_and_grad(round_trip)).lower(x, c).compile().as_text()
+    collectives = [line for line in text.splitlines() if " all-gather(" in line or " reduce-scatter(" in line]
+    assert collectives and all("dimensions={0}" in line for line in collectives), collectives
+    computed = "\n".join(line for line in text.splitlines() if " transpose(" not in line)  # a transpose's layout says which copy it is
+    layouts = re.findall(r"\[[\d,]+\]\{([\d,]+)\}", computed)
+    assert all(layout == ",".join(str(i) for i in reversed(range(layout.count(",") + 1))) for layout in layouts), set(layouts)
+
+
+def test_einsum_unreduced_gradient_runs_in_the_operands_dtype():
+    """The gradient of a bf16 x bf16 -> f32 einsum rounds the output's gradient to bf16 and
+    multiplies in bf16 with f32 accumulation (no float32 matmul); with float32 operands it is
+    autodiff's gradient."""
+    x, w, c = rand(8, 16), rand(16, 4), rand(8, 4)
+    bf = lambda a: jnp.asarray(a).astype(jnp.bfloat16)  # noqa: E731
+
+    def loss(x, w, c):
+        return jnp.sum(einsum_unreduced("B M, M F -> B F", x, w) * c)
+
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(bf(x), bf(w), c)
+    assert gx.dtype == gw.dtype == jnp.bfloat16
+    g = np.asarray(bf(c), np.float32)  # d loss / d output, rounded as the backward pass rounds it
+    exact_x = g @ np.asarray(bf(w), np.float32).T
+    exact_w = np.asarray(bf(x), np.float32).T @ g
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(bf(exact_x)))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(bf(exact_w)))
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(bf(x), bf(w), c).as_text()
+    dots = [line for line in lowered.splitlines() if "dot_general" in line]
+    assert len(dots) >= 2 and all("xf32>" not in line.split("->")[0].split(":")[-1] for line in dots), dots
+
+    f32_grads = jax.grad(loss, argnums=(0, 1))(x, w, c)
+    autodiff = jax.grad(lambda x, w, c: jnp.sum(jnp.einsum("bm,mf->bf", x, w) * c), argnums=(0, 1))(x, w, c)
+    for ours, theirs in zip(f32_grads, autodiff):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6)
 
 
 def test_psum_forward_and_gradient(mesh):
