@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_extra import save_for_backward
+from jax_extra import save_in_forward_rule
 from shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
 
@@ -226,7 +226,7 @@ def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
     """The forward pass under differentiation: the output and its log-sum-exp are kept for the
     backward pass (marked, so that layer rematerialization keeps them too)."""
     o, log_sum_exp = ring_attention_forward(q, k, v, doc_start, row_position, block)
-    o, log_sum_exp = save_for_backward(o), save_for_backward(log_sum_exp)
+    o, log_sum_exp = save_in_forward_rule(o), save_in_forward_rule(log_sum_exp)
     return o, (q, k, v, o, log_sum_exp, doc_start, row_position)
 
 

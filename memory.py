@@ -104,21 +104,21 @@ def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list
     kept = []
     for line in residual_lines:
         if f"named '{SAVED_NAME}'" in line:
-            kept.append((*residual_size(line), "save_for_backward"))
+            shape, size = residual_size(line)
+            kept.append((shape, size, "save_for_backward" + (" (a bf16 value's bits)" if shape.startswith("u16") else "")))
         elif line.split(" from ")[-1] == f"the argument {input_name}":
             kept.append((*residual_size(line), "layer input"))
     return kept
 
 
-def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
-                    xla_cpu: bool | None = None) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+def memory_estimate(state, layers: int, layer_residuals: list[str], logits) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
     """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
 
     `state` has the weights and Adam moments (fields weights, adam_mu, adam_nu) as arrays or
     ShapeDtypeStructs with shardings; `layers` is how many layers are stacked; `layer_residuals`
     are print_saved_residuals lines of one layer (see layer_saved_values); `logits` is a
-    ShapeDtypeStruct of one device's logits. `xla_cpu` adds what only XLA:CPU allocates (default:
-    whether this process runs on CPU; False estimates a GPU or TPU from a CPU machine)."""
+    ShapeDtypeStruct of one device's logits. The same on every platform: bf16 values are saved
+    as their bits (jax_extra.save_for_backward), so XLA:CPU no longer keeps f32 copies of them."""
     weights = per_device_bytes(state.weights)
     saved = layer_saved_values(layer_residuals)
     saved_per_layer = sum(size for _, size, _ in saved)
@@ -143,12 +143,6 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
     kv_elements = math.prod(logits.shape[:2]) * math.prod(w_k.sharding.shard_shape(w_k.shape)[2:])  # B/d L/c x K/t D
     if w_k.sharding.mesh.shape.get("c", 1) > 1:
         terms.append(("ring attention: a shard of k and v in flight (bf16), and their f32 gradients", 2 * kv_elements * (2 + 2 * 4)))
-    on_xla_cpu = jax.devices()[0].platform == "cpu" if xla_cpu is None else xla_cpu
-    if on_xla_cpu:
-        # XLA:CPU has no bf16 arithmetic: before the backward loop it converts every stacked
-        # bf16 residual to f32 (seen in the optimized HLO), so those exist twice more in f32.
-        bf16 = sum(size for shape, size, _ in saved if shape.startswith("bf16"))
-        terms.append(("f32 copies of the saved bf16 values (XLA:CPU converts them)", 2 * bf16 * layers))
     return terms, saved
 
 

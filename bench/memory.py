@@ -57,7 +57,7 @@ def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]
     with jax.set_mesh(mesh):
         state = abstract_state(cfg, mesh)
         residuals, logits = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
-    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits, xla_cpu=False)
+    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits)
     return terms, state, residuals, logits
 
 

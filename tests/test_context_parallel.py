@@ -204,8 +204,7 @@ def test_the_memory_reports_activations_fall_as_one_over_c():
         cfg, mesh = tiny_config("training.tokens.len=64", "model.attention_block=4", "mesh.d=1", "mesh.t=1", f"mesh.c={c}"), make_mesh(1, 1, c)
         with jax.set_mesh(mesh):
             state = abstract_state(cfg, mesh)
-            terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)),
-                                              xla_cpu=False)
+            terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)))
         activations[c] = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
         ring[c] = sum(size for name, size in terms if name.startswith("ring attention"))
     assert activations[1] == 2 * activations[2] == 4 * activations[4]
