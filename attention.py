@@ -46,7 +46,8 @@ def dense_attention(q, k, v, mask):
 # ring (Liu et al. 2023, "Ring attention with blockwise transformers"). Each device holds the
 # queries, keys and values of its positions of every row, cut into blocks of `attention_block`
 # positions; a block is a contiguous run of row positions, so it has a row-wide index
-# (position // block). The keys and values go round the c devices of the ring: at ring step s a
+# (position // block); blocks are a view [B, L / block, block, ...] of the rows, so cutting
+# and joining them moves no data. The keys and values go round the c devices of the ring: at ring step s a
 # device holds those of the device s places before it, and every query block visits, one pair
 # at a time, the blocks of that shard it must see: not after it, and not wholly before the
 # start of the earliest document among its queries. Only one pair's scores [B, Q, K, L, S]
@@ -57,19 +58,25 @@ KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")  # what travels:
 
 
 def to_blocks(x, block: int):
-    """[B, L, ...] -> [L / block, B, block, ...]: the block index first, so that a loop step
-    reads one contiguous block."""
-    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:]), 1, 0)
+    """[B, L, ...] -> [B, L / block, block, ...]: a reshape, no copy. (Blocks first would make a
+    loop step's read contiguous but cost a transpose of every q, k, v, and gradient per layer,
+    more than the strided reads of the loop.)"""
+    return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
 
 
 def from_blocks(x):
-    """[N, B, block, ...] -> [B, N * block, ...]."""
-    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+    """[B, N, block, ...] -> [B, N * block, ...]."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def block_at(blocks, n):
+    """blocks[:, n]: block n [B, block, ...] of [B, N, block, ...]."""
+    return lax.dynamic_index_in_dim(blocks, n, axis=1, keepdims=False)
 
 
 def add_to_block(blocks, j, update):
-    """blocks[j] += update, in place (a dynamic-update-slice, not a scatter)."""
-    return lax.dynamic_update_index_in_dim(blocks, lax.dynamic_index_in_dim(blocks, j, keepdims=False) + update, j, 0)
+    """blocks[:, j] += update, in place (a dynamic-update-slice, not a scatter)."""
+    return lax.dynamic_update_index_in_dim(blocks, block_at(blocks, j) + update, j, 1)
 
 
 def block_scores(q_block, k_block, q_doc_start, k_doc_start, q_position, k_position):
@@ -89,7 +96,7 @@ def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, bl
     position, in any row: earlier keys are in other documents for every query of the block)
     up to the query block itself."""
     q_index = (q_position_blocks[:, 0] // block).astype(jnp.int32)  # [N] row-wide block index
-    earliest = (jnp.min(q_start_blocks[:, :, 0], axis=1) // block).astype(jnp.int32)  # [N]
+    earliest = (jnp.min(q_start_blocks[:, :, 0], axis=0) // block).astype(jnp.int32)  # [N]
     k_index = (k_position_blocks[:, 0] // block).astype(jnp.int32)  # [M], ascending
     first = jnp.sum(k_index[None, :] < earliest[:, None], axis=1)
     stop = jnp.sum(k_index[None, :] <= q_index[:, None], axis=1)
@@ -98,8 +105,8 @@ def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, bl
 
 def shard_blocks(shard, block: int):
     """(x, y, doc_start, row_position) of one device's positions, (k, v, ...) or (q, do, ...):
-    x, y [B, L, ...], doc_start [B, L] and row_position [L] cut into blocks, block index first
-    ([N, B, block, ...] and [N, block])."""
+    x, y [B, L, ...], doc_start [B, L] and row_position [L] cut into blocks ([B, N, block, ...]
+    and [N, block])."""
     x, y, doc_start, row_position = shard
     return (*(to_blocks(a, block) for a in (x, y, doc_start)), row_position.reshape(-1, block))
 
@@ -114,21 +121,21 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
 
     def attend(n_and_carry):
         n, carry = n_and_carry
-        q_n, start_n, position_n = q_blocks[n], q_start_blocks[n], q_position_blocks[n]
+        q_n, start_n, position_n = block_at(q_blocks, n), block_at(q_start_blocks, n), q_position_blocks[n]
 
         def add_key_block(step, carry):
             running_max, denominator, numerator = carry
             j = stop[n] - 1 - step  # from the nearest block back
-            scores = block_scores(q_n, k_blocks[j], start_n, k_start_blocks[j], position_n, k_position_blocks[j])
+            scores = block_scores(q_n, block_at(k_blocks, j), start_n, block_at(k_start_blocks, j), position_n, k_position_blocks[j])
             new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
             rescale = jnp.exp(running_max - new_max)
             weights = jnp.exp(scores - new_max[..., None])
-            weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v_blocks.dtype), v_blocks[j])
+            weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v_blocks.dtype), block_at(v_blocks, j))
             return new_max, denominator * rescale + jnp.sum(weights, axis=-1), numerator * rescale[..., None] + weighted_values
 
         return lax.fori_loop(0, stop[n] - first[n], add_key_block, carry)
 
-    return lax.map(attend, (jnp.arange(q_blocks.shape[0]), carry))
+    return lax.map(attend, (jnp.arange(q_blocks.shape[1]), carry))
 
 
 def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
@@ -140,7 +147,7 @@ def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
     # diagonal one, where every query sees itself: the running max is a real score from the
     # first pair on, and later fully masked rows add exactly 0 (exp(-1e30 - max)). (full_like
     # and zeros_like: the carry varies over the same mesh axes as q.)
-    N, B, L, Q, K, D = q_blocks.shape
+    B, N, L, Q, K, D = q_blocks.shape
     running_max = jnp.full_like(q_blocks, -1e30, jnp.float32, (N, B, Q, K, L))
     carry = (running_max, jnp.zeros_like(running_max), jnp.zeros_like(q_blocks, jnp.float32, (N, B, Q, K, L, D)))
 
@@ -150,39 +157,41 @@ def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
         return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
 
     ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, (k, v, doc_start, row_position)), None, length=axis_size("c"))
-    o_blocks = einsum_unreduced("N B/d Q K/t L D -> N B/d L Q K/t D", numerator / denominator[..., None])
+    o_blocks = einsum_unreduced("N B/d Q K/t L D -> B/d N L Q K/t D", numerator / denominator[..., None])
     return from_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
 
 
 def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block: int):
     """One ring step of the backward pass, over the same block pairs as the forward pass: this
-    device's share of dq [N, B, L, Q, K, D] and of the visiting shard's dk, dv [B, S, K, D]
+    device's share of dq [B, N, L, Q, K, D] and of the visiting shard's dk, dv [B, S, K, D]
     (float32). Each pair's softmax weights P are recomputed from its scores and the saved
     log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
     k_blocks, v_blocks, k_start_blocks, k_position_blocks = shard_blocks(kv, block)
     first, stop = key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block)
     scale = q_blocks.shape[-1] ** -0.5
 
-    def backward_query_block(dk_dv, n):
-        q_n, do_n, start_n, position_n = q_blocks[n], do_blocks[n], q_start_blocks[n], q_position_blocks[n]
-        delta_n = jnp.moveaxis(delta_blocks[n], 1, 3)  # [B, Q, K, L]
+    def backward_query_block(n, dq_dk_dv):
+        q_n, do_n, start_n, position_n = block_at(q_blocks, n), block_at(do_blocks, n), block_at(q_start_blocks, n), q_position_blocks[n]
+        delta_n = jnp.moveaxis(block_at(delta_blocks, n), 1, 3)  # [B, Q, K, L]
 
         def add_key_block(step, carry):
             dq_n, dk, dv = carry
             j = stop[n] - 1 - step
-            scores = block_scores(q_n, k_blocks[j], start_n, k_start_blocks[j], position_n, k_position_blocks[j])
+            k_j, v_j = block_at(k_blocks, j), block_at(v_blocks, j)
+            scores = block_scores(q_n, k_j, start_n, block_at(k_start_blocks, j), position_n, k_position_blocks[j])
             weights = jnp.exp(scores - log_sum_exp[n][..., None])
             dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v_blocks.dtype), do_n))
-            d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_n, v_blocks[j])
+            d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_n, v_j)
             d_scores = (weights * (d_weights - delta_n[..., None]) * scale).astype(q_blocks.dtype)
             dk = add_to_block(dk, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", d_scores, q_n))
-            return dq_n + einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", d_scores, k_blocks[j]), dk, dv
+            return dq_n + einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", d_scores, k_j), dk, dv
 
-        dq_n, dk, dv = lax.fori_loop(0, stop[n] - first[n], add_key_block, (jnp.zeros_like(q_n, jnp.float32), *dk_dv))
-        return (dk, dv), dq_n
+        dq, dk, dv = dq_dk_dv
+        dq_n, dk, dv = lax.fori_loop(0, stop[n] - first[n], add_key_block, (jnp.zeros_like(q_n, jnp.float32), dk, dv))
+        return lax.dynamic_update_index_in_dim(dq, dq_n, n, 1), dk, dv
 
-    dk_dv = (jnp.zeros_like(k_blocks, jnp.float32), jnp.zeros_like(v_blocks, jnp.float32))
-    (dk, dv), dq = lax.scan(backward_query_block, dk_dv, jnp.arange(q_blocks.shape[0]))
+    dq_dk_dv = tuple(jnp.zeros_like(x, jnp.float32) for x in (q_blocks, k_blocks, v_blocks))
+    dq, dk, dv = lax.fori_loop(0, q_blocks.shape[1], backward_query_block, dq_dk_dv)
     return dq, from_blocks(dk), from_blocks(dv)
 
 
