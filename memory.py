@@ -62,9 +62,10 @@ _RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
 def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDtypeStruct]:
     """For the memory report, per device: what one transformer layer keeps for its backward pass
     (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
-    float32 logits (B/d L/c V/t). `layer(x, w, doc_start, position, row_position)` is the layer as
+    float32 logits (B/d L/c V/t). `layer(x, w, doc_start, sin, cos, row_position)` is the layer as
     the step's scan runs it (train.training_layer with the model config bound), whose annotations
-    give the shardings of x [B, L, M], doc_start and position [B, L] and row_position [L];
+    give the shardings of x [B, L, M], doc_start [B, L], RoPE's sin and cos [B, L, D/2] and
+    row_position [L];
     `state` gives the stacked layer weights (arrays or ShapeDtypeStructs)."""
     B, L, M, d, t, c = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
     lines = []
@@ -77,8 +78,8 @@ def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDty
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
 
     w = jax.tree.map(one_layer, state.weights.layers)
-    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), annotated("position", (B, L), jnp.uint32),
-            annotated("row_position", (L,), jnp.uint32))
+    rotation = [annotated(name, (B, L, cfg.model.d_head // 2), jnp.float32) for name in ("sin", "cos")]
+    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), *rotation, annotated("row_position", (L,), jnp.uint32))
 
     def probe(*args):  # inside shard_map, so that the shapes are per device
         lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))

@@ -69,7 +69,7 @@ def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b
     # Causal over the cache (positions after the last written one are in the future); one document.
     one_document = jnp.zeros((B, L), jnp.uint32), jnp.zeros((B, S), jnp.uint32)
     mask = causal_document_mask(position, jnp.arange(S, dtype=jnp.uint32), *one_document)
-    position = jnp.broadcast_to(position, (B, L))
+    rotation = train.rope_rotation(jnp.broadcast_to(position, (B, L)), h.d_head, h.rope_base)
     x = train.embed_tokens(w, inputs)
 
     def layer(x, weights_and_cache):
@@ -80,7 +80,7 @@ def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b
             v_all = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
             return dense_attention(q, k_all, v_all, mask), (k_all, v_all)
 
-        return train.transformer_layer(h, x, w_layer, position, attend_over_cache)
+        return train.transformer_layer(h, x, w_layer, rotation, attend_over_cache)
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))
     return train.output_logits(h, w, x[:, -1:])[:, 0], KVCache(k, v)

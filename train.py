@@ -6,6 +6,7 @@ Dimension names, used the same way in every annotation and spec string:
     B  batch (sequences)             L  positions of queries       S  positions of keys (= L)
     M  d_model                       F  d_ff                       V  vocabulary
     Q  query heads per kv head       K  kv heads                   D  head dimension
+    R  RoPE frequencies (D / 2)
     layers  transformer blocks (weights stacked, run with lax.scan)
 Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent
 as MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff
@@ -167,21 +168,27 @@ def rms_norm(x, weight, eps: float):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-def rope(x, position, base: float):
-    """Rotary embedding (RoFormer, Su et al. 2021) on the last dim, rotate-half layout.
-    x: [B, L, ..., D] float32, position: [B, L]."""
-    D = x.shape[-1]
-    inverse_timescale = base ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)  # [D/2]
-    angle = position.astype(jnp.float32)[..., None] * inverse_timescale  # [B, L, D/2]
-    angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:])
-    sin, cos = jnp.sin(angle), jnp.cos(angle)
-    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+def rope_rotation(position, d_head: int, base: float):
+    """(sin, cos) [B, L, R] of the rotary embedding's angles (RoFormer, Su et al. 2021) at
+    positions [B, L]: position / base^(2r / D). Computed once a step, outside the layers: inside,
+    the backward pass would recompute them for every element of q and k."""
+    inverse_timescale = base ** (-jnp.arange(0, d_head, 2, dtype=jnp.float32) / d_head)  # [R]
+    angle = position.astype(jnp.float32)[..., None] * inverse_timescale  # [B, L, R]
+    return jnp.sin(angle), jnp.cos(angle)
+
+
+def rope(x, sin, cos):
+    """x [B, L, ..., D] float32 rotated by the angles of rope_rotation (sin, cos [B, L, R]), in the
+    rotate-half layout: the pairs (r, r + R)."""
+    sin, cos = (a.reshape(a.shape[:2] + (1,) * (x.ndim - 3) + a.shape[2:]) for a in (sin, cos))
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
+def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     """One block on the residual stream x [B/d, L/c, M/t] (float32): pre-RMSNorm grouped-query
-    attention (Ainslie et al. 2023: Q query heads share each of the K kv heads) with RoPE, then
+    attention (Ainslie et al. 2023: Q query heads share each of the K kv heads) with RoPE
+    (rotation: rope_rotation's sin and cos at the tokens' positions), then
     pre-RMSNorm SwiGLU (Shazeer 2020). `attend(q, k, v) -> (o, extra)` is the attention proper:
     training attends within documents (training_layer); sample.py attends over its KV cache
     and returns the updated cache as `extra`. Returns (x after the block, extra)."""
@@ -195,8 +202,8 @@ def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
     q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
     k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
     v = save_for_backward(einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE))
-    q = save_for_backward(rope(q, position, h.rope_base).astype(MATMUL_DTYPE))
-    k = save_for_backward(rope(k, position, h.rope_base).astype(MATMUL_DTYPE))
+    q = save_for_backward(rope(q, *rotation).astype(MATMUL_DTYPE))
+    k = save_for_backward(rope(k, *rotation).astype(MATMUL_DTYPE))
     o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
     w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
@@ -215,12 +222,12 @@ def transformer_layer(h: ModelConfig, x, w: Layer, position, attend):
 
 
 @typechecked
-def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"], position: u32[b"B/d L/c"],
+def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"], sin: f32[b"B/d L/c R"], cos: f32[b"B/d L/c R"],
                    row_position: u32[b"L/c"]) -> f32[b"B/d L/c M/t"]:
     """transformer_layer as training runs it: causal attention within documents, by blocks, over
     the keys of every device of the c ring (row_position: where each token sits in the row)."""
     attend = lambda q, k, v: (ring_attention(q, k, v, doc_start, row_position, h.attention_block), None)  # noqa: E731
-    return transformer_layer(h, x, w, position, attend)[0]
+    return transformer_layer(h, x, w, (sin, cos), attend)[0]
 
 
 def embed_tokens(w: Model, inputs):
@@ -245,11 +252,12 @@ def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: boo
     check_attention_blocks(h, length, axis_size("c"))
     doc_start, position = (this_devices_chunks(x) for x in document_positions(whole_rows(is_seq_start)))
     row_position = this_devices_chunks(jnp.arange(length, dtype=jnp.uint32)[None, :])[0]
+    sin, cos = rope_rotation(position, h.d_head, h.rope_base)
     x = embed_tokens(w, inputs)
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
-        return training_layer(h, x, layer_weights, doc_start, position, row_position), None
+        return training_layer(h, x, layer_weights, doc_start, sin, cos, row_position), None
 
     x, _ = lax.scan(body, x, w.layers)
     return output_logits(h, w, x)
