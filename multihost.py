@@ -216,10 +216,13 @@ def _listen(process_id: int, peer: int, conn: socket.socket, timeout: float):
             data = b""
         if not data:
             _watch["closed"].add(peer)
+            if _watch.get("leaving"):  # this process is exiting on purpose: the peer closed in answer to its goodbye
+                return
         if ERROR in data:
             _lost(process_id, 0, "it stopped with an error: see its line")
         if BYE in data:
             _watch["peers"].pop(peer, None)
+            conn.close()  # the answer to a goodbye: the leaving process waits for it (leave)
             return
         if LOST in data:
             reported = data[data.index(LOST) + 1:].split(b"\n")[0]
@@ -290,12 +293,23 @@ def leave(error: bool = False):
                 sys.stdout.flush()
                 os._exit(2)  # not sys.exit: jax.distributed's shutdown would wait for the stopped processes
         return
-    for conn in list(_watch.get("peers", {}).values()):
+    # The goodbye must arrive. A process that exits with bytes unread on a connection (a
+    # heartbeat that came in just before) makes its kernel reset the connection, and the reset
+    # can discard the goodbye before the peer reads it: the peer would report a lost process.
+    # So this process waits (up to 2 s) for each peer to close the connection in answer, its
+    # listener reading everything that arrives until then.
+    if not _watch:
+        return
+    _watch["leaving"] = True
+    peers, _watch["peers"] = dict(_watch.get("peers", {})), {}
+    for conn in peers.values():
         try:
             conn.sendall(BYE)
         except OSError:
             pass
-    _watch["peers"] = {}
+    deadline = time.monotonic() + 2.0
+    while set(peers) - _watch["closed"] and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def lost_peer(wait: float) -> tuple | None:
