@@ -169,6 +169,12 @@ def test_einsum_unreduced_gradient_runs_in_the_operands_dtype():
     for ours, theirs in zip(f32_grads, autodiff):
         np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6)
 
+    # A dimension that one operand alone sums over (B here) gets its gradient broadcast back.
+    summed = jax.grad(lambda x, w: jnp.sum(einsum_unreduced("B M, M F -> F", x, w) * c[0]), argnums=(0, 1))(x, w)
+    autodiff = jax.grad(lambda x, w: jnp.sum(jnp.einsum("bm,mf->f", x, w) * c[0]), argnums=(0, 1))(x, w)
+    for ours, theirs in zip(summed, autodiff):
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6)
+
 
 def test_psum_forward_and_gradient(mesh):
     x, c = rand(2, 4, 3), rand(4, 3)
