@@ -70,8 +70,13 @@ def from_blocks(x):
 
 
 def block_at(blocks, n):
-    """blocks[:, n]: block n [B, block, ...] of [B, N, block, ...]."""
-    return lax.dynamic_index_in_dim(blocks, n, axis=1, keepdims=False)
+    """blocks[:, n]: block n [B, block, ...] of [B, N, block, ...]. A 16-bit float array is read as
+    its bits: XLA:CPU holds a bfloat16 array that a loop slices as float32, converting all of it
+    before the loop and every block read back (the gap that jax_extra's saving as bits closes)."""
+    if not (jnp.issubdtype(blocks.dtype, jnp.floating) and blocks.dtype.itemsize == 2):
+        return lax.dynamic_index_in_dim(blocks, n, axis=1, keepdims=False)
+    bits = lax.bitcast_convert_type(blocks, jnp.dtype(f"uint{8 * blocks.dtype.itemsize}"))
+    return lax.bitcast_convert_type(lax.dynamic_index_in_dim(bits, n, axis=1, keepdims=False), blocks.dtype)
 
 
 def add_to_block(blocks, j, update):
