@@ -46,11 +46,13 @@ def dense_attention(q, k, v, mask):
 # ring (Liu et al. 2023, "Ring attention with blockwise transformers"). Each device holds the
 # queries, keys and values of its positions of every row, cut into blocks of `attention_block`
 # positions; a block is a contiguous run of row positions, so it has a row-wide index
-# (position // block); blocks are a view [B, L / block, block, ...] of the rows, so cutting
-# and joining them moves no data. The keys and values go round the c devices of the ring: at ring step s a
+# (position // block). Inside the kernel q, k, v and their gradients are laid out by blocks
+# and heads first, [B, N, K, (Q,) block, D]: each block pair's matmuls then read their operands
+# as they lie, batched over B and K, where the row layout [B, L, (Q,) K, D] made XLA transpose
+# both operands of every pair. The keys and values go round the c devices of the ring: at ring step s a
 # device holds those of the device s places before it, and every query block visits, one pair
 # at a time, the blocks of that shard it must see: not after it, and not wholly before the
-# start of the earliest document among its queries. Only one pair's scores [B, Q, K, L, S]
+# start of the earliest document among its queries. Only one pair's scores [B, K, Q, L, S]
 # exist at once (L, S: positions within a block); future blocks and blocks of earlier
 # documents only are never computed. With c = 1 the ring is one step over the device's own keys.
 
@@ -58,14 +60,20 @@ KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")  # what travels:
 
 
 def to_blocks(x, block: int):
-    """[B, L, ...] -> [B, L / block, block, ...]: a reshape, no copy. (Blocks first would make a
-    loop step's read contiguous but cost a transpose of every q, k, v, and gradient per layer,
-    more than the strided reads of the loop.)"""
+    """[B, L, ...] -> [B, L / block, block, ...]: a reshape, no copy."""
     return x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
 
 
-def from_blocks(x):
-    """[B, N, block, ...] -> [B, N * block, ...]."""
+def to_head_blocks(x, block: int):
+    """Queries [B, L, Q, K, D] -> [B, N, K, Q, block, D], keys or values [B, S, K, D] ->
+    [B, M, K, block, D]: one transpose a layer, so that no block pair needs one (N = L / block)."""
+    x = jnp.moveaxis(to_blocks(x, block), -2, 2)  # K after N
+    return jnp.moveaxis(x, 3, -2)  # the block's positions just before D
+
+
+def from_head_blocks(x):
+    """to_head_blocks undone: [B, N, K, (Q,) block, D] -> [B, N * block, (Q,) K, D]."""
+    x = jnp.moveaxis(jnp.moveaxis(x, -2, 3), 2, -2)
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
@@ -85,11 +93,11 @@ def add_to_block(blocks, j, update):
 
 
 def block_scores(q_block, k_block, q_doc_start, k_doc_start, q_position, k_position):
-    """Scaled scores [B, Q, K, L, S] (float32) of a query block q_block [B, L, Q, K, D] against a
-    key block k_block [B, S, K, D]; -1e30 (softmax weight 0) where the key lies in another
+    """Scaled scores [B, K, Q, L, S] (float32) of a query block q_block [B, K, Q, L, D] against a
+    key block k_block [B, K, S, D]; -1e30 (softmax weight 0) where the key lies in another
     document (doc_start: where each token's document starts) or after the query (position: in
     the row, [L] and [S])."""
-    scores = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", q_block, k_block) * (q_block.shape[-1] ** -0.5)
+    scores = einsum_unreduced("B/d K/t Q L D, B/d K/t S D -> B/d K/t Q L S", q_block, k_block) * (q_block.shape[-1] ** -0.5)
     visible = causal_document_mask(q_position, k_position, q_doc_start, k_doc_start)
     return jnp.where(visible[:, None, None], scores, -1e30)
 
@@ -110,10 +118,10 @@ def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, bl
 
 def shard_blocks(shard, block: int):
     """(x, y, doc_start, row_position) of one device's positions, (k, v, ...) or (q, do, ...):
-    x, y [B, L, ...], doc_start [B, L] and row_position [L] cut into blocks ([B, N, block, ...]
-    and [N, block])."""
+    x, y [B, L, ...] to head blocks (to_head_blocks), doc_start [B, L] and row_position [L]
+    cut into blocks ([B, N, block] and [N, block])."""
     x, y, doc_start, row_position = shard
-    return (*(to_blocks(a, block) for a in (x, y, doc_start)), row_position.reshape(-1, block))
+    return to_head_blocks(x, block), to_head_blocks(y, block), to_blocks(doc_start, block), row_position.reshape(-1, block)
 
 
 def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block: int):
@@ -135,7 +143,7 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
             new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
             rescale = jnp.exp(running_max - new_max)
             weights = jnp.exp(scores - new_max[..., None])
-            weighted_values = einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d Q K/t L D", weights.astype(v_blocks.dtype), block_at(v_blocks, j))
+            weighted_values = einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D", weights.astype(v_blocks.dtype), block_at(v_blocks, j))
             return new_max, denominator * rescale + jnp.sum(weights, axis=-1), numerator * rescale[..., None] + weighted_values
 
         return lax.fori_loop(0, stop[n] - first[n], add_key_block, carry)
@@ -145,16 +153,16 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
 
 def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
     """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
-    scores [N, B, Q, K, L] (float32), over c ring steps."""
-    q_blocks, q_start_blocks = to_blocks(q, block), to_blocks(doc_start, block)
+    scores [N, B, K, Q, L] (float32), over c ring steps."""
+    q_blocks, q_start_blocks = to_head_blocks(q, block), to_blocks(doc_start, block)
     q_position_blocks = row_position.reshape(-1, block)
     # Ring step 0 is the device's own shard, whose nearest block to each query block is the
     # diagonal one, where every query sees itself: the running max is a real score from the
     # first pair on, and later fully masked rows add exactly 0 (exp(-1e30 - max)). (full_like
     # and zeros_like: the carry varies over the same mesh axes as q.)
-    B, N, L, Q, K, D = q_blocks.shape
-    running_max = jnp.full_like(q_blocks, -1e30, jnp.float32, (N, B, Q, K, L))
-    carry = (running_max, jnp.zeros_like(running_max), jnp.zeros_like(q_blocks, jnp.float32, (N, B, Q, K, L, D)))
+    B, N, K, Q, L, D = q_blocks.shape
+    running_max = jnp.full_like(q_blocks, -1e30, jnp.float32, (N, B, K, Q, L))
+    carry = (running_max, jnp.zeros_like(running_max), jnp.zeros_like(q_blocks, jnp.float32, (N, B, K, Q, L, D)))
 
     def ring_step(carry_and_kv, _):
         carry, kv = carry_and_kv
@@ -162,13 +170,13 @@ def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
         return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
 
     ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, (k, v, doc_start, row_position)), None, length=axis_size("c"))
-    o_blocks = einsum_unreduced("N B/d Q K/t L D -> B/d N L Q K/t D", numerator / denominator[..., None])
-    return from_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
+    o_blocks = einsum_unreduced("N B/d K/t Q L D -> B/d N K/t Q L D", numerator / denominator[..., None])
+    return from_head_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
 
 
 def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block: int):
     """One ring step of the backward pass, over the same block pairs as the forward pass: this
-    device's share of dq [B, N, L, Q, K, D] and of the visiting shard's dk, dv [B, S, K, D]
+    device's share of dq [B, N, K, Q, L, D] and of the visiting shard's dk, dv [B, S, K, D]
     (float32). Each pair's softmax weights P are recomputed from its scores and the saved
     log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
     k_blocks, v_blocks, k_start_blocks, k_position_blocks = shard_blocks(kv, block)
@@ -177,7 +185,7 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
 
     def backward_query_block(n, dq_dk_dv):
         q_n, do_n, start_n, position_n = block_at(q_blocks, n), block_at(do_blocks, n), block_at(q_start_blocks, n), q_position_blocks[n]
-        delta_n = jnp.moveaxis(block_at(delta_blocks, n), 1, 3)  # [B, Q, K, L]
+        delta_n = block_at(delta_blocks, n)  # [B, K, Q, L]
 
         def add_key_block(step, carry):
             dq_n, dk, dv = carry
@@ -185,11 +193,11 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
             k_j, v_j = block_at(k_blocks, j), block_at(v_blocks, j)
             scores = block_scores(q_n, k_j, start_n, block_at(k_start_blocks, j), position_n, k_position_blocks[j])
             weights = jnp.exp(scores - log_sum_exp[n][..., None])
-            dv = add_to_block(dv, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", weights.astype(v_blocks.dtype), do_n))
-            d_weights = einsum_unreduced("B/d L Q K/t D, B/d S K/t D -> B/d Q K/t L S", do_n, v_j)
+            dv = add_to_block(dv, j, einsum_unreduced("B/d K/t Q L S, B/d K/t Q L D -> B/d K/t S D", weights.astype(v_blocks.dtype), do_n))
+            d_weights = einsum_unreduced("B/d K/t Q L D, B/d K/t S D -> B/d K/t Q L S", do_n, v_j)
             d_scores = (weights * (d_weights - delta_n[..., None]) * scale).astype(q_blocks.dtype)
-            dk = add_to_block(dk, j, einsum_unreduced("B/d Q K/t L S, B/d L Q K/t D -> B/d S K/t D", d_scores, q_n))
-            return dq_n + einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", d_scores, k_j), dk, dv
+            dk = add_to_block(dk, j, einsum_unreduced("B/d K/t Q L S, B/d K/t Q L D -> B/d K/t S D", d_scores, q_n))
+            return dq_n + einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D", d_scores, k_j), dk, dv
 
         dq, dk, dv = dq_dk_dv
         dq_n, dk, dv = lax.fori_loop(0, stop[n] - first[n], add_key_block, (jnp.zeros_like(q_n, jnp.float32), dk, dv))
@@ -197,7 +205,7 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
 
     dq_dk_dv = tuple(jnp.zeros_like(x, jnp.float32) for x in (q_blocks, k_blocks, v_blocks))
     dq, dk, dv = lax.fori_loop(0, q_blocks.shape[1], backward_query_block, dq_dk_dv)
-    return dq, from_blocks(dk), from_blocks(dv)
+    return dq, from_head_blocks(dk), from_head_blocks(dv)
 
 
 def ring_attention_backward(block: int, saved, do):
@@ -206,8 +214,9 @@ def ring_attention_backward(block: int, saved, do):
     until they come home."""
     q, k, v, o, log_sum_exp, doc_start, row_position = saved
     q_blocks, do_blocks, q_start_blocks, q_position_blocks = shard_blocks((q, do, doc_start, row_position), block)
-    # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP.
-    delta_blocks = to_blocks(einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o), block)
+    # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP; [B, N, K, Q, L].
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    delta_blocks = einsum_unreduced("B/d N L Q K/t -> B/d N K/t Q L", to_blocks(delta, block))
 
     def ring_step(carry, _):
         dq, kv, dk_dv = carry
@@ -223,7 +232,7 @@ def ring_attention_backward(block: int, saved, do):
     dk_dv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
     (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, (k, v, doc_start, row_position), dk_dv), None, length=axis_size("c"))
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
-    return from_blocks(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return from_head_blocks(dq.astype(q.dtype)), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
