@@ -215,7 +215,7 @@ def ring_attention_backward(block: int, saved, do):
     q, k, v, o, log_sum_exp, doc_start, row_position = saved
     q_blocks, do_blocks, q_start_blocks, q_position_blocks = shard_blocks((q, do, doc_start, row_position), block)
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP; [B, N, K, Q, L].
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
     delta_blocks = einsum_unreduced("B/d N L Q K/t -> B/d N K/t Q L", to_blocks(delta, block))
 
     def ring_step(carry, _):
