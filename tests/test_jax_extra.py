@@ -70,7 +70,7 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
         ("u16", (B, L, K, D)),  # k after RoPE, for the gradients of q
         ("u16", (B, L, K, D)),  # v, for the gradients of the softmax weights
         ("u16", (B, L, Q, K, D)),  # the attention's output: the out projection's weight gradient
-        ("f32", (N, B, Q, K, cfg.model.attention_block)),  # the log-sum-exp of every query's scores, to rebuild the softmax
+        ("f32", (N, B, K, Q, cfg.model.attention_block)),  # the log-sum-exp of every query's scores, to rebuild the softmax
         x,  # the residual stream after attention: the FFN norm's gradient
         ("u16", (B, L, M)),  # the FFN's normalized input: the gate and up weight gradients
         ("u16", (B, L, F)),  # gate, for silu's gradient
