@@ -47,16 +47,19 @@ def dense_attention(q, k, v, mask):
 # queries, keys and values of its positions of every row, cut into blocks of `attention_block`
 # positions; a block is a contiguous run of row positions, so it has a row-wide index
 # (position // block). Inside the kernel q, k, v and their gradients are laid out by blocks
-# and heads first, [B, N, K, (Q,) block, D]: each block pair's matmuls then read their operands
-# as they lie, batched over B and K, where the row layout [B, L, (Q,) K, D] made XLA transpose
-# both operands of every pair. The keys and values go round the c devices of the ring: at ring step s a
+# and heads first, [B, N, K, (Q,) block, D], once a layer: each block pair's matmuls then read
+# their operands as they lie, batched over B and K, where the row layout [B, L, (Q,) K, D] made
+# XLA transpose both operands of every pair; keys and values travel the ring in this layout.
+# The keys and values go round the c devices of the ring: at ring step s a
 # device holds those of the device s places before it, and every query block visits, one pair
 # at a time, the blocks of that shard it must see: not after it, and not wholly before the
 # start of the earliest document among its queries. Only one pair's scores [B, K, Q, L, S]
 # exist at once (L, S: positions within a block); future blocks and blocks of earlier
 # documents only are never computed. With c = 1 the ring is one step over the device's own keys.
 
-KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")  # what travels: k, v, doc_start, row_position
+# What travels round the ring: k and v as head blocks (M: the shard's blocks, S: a block's
+# positions; their gradients travel the same way), doc_start and row_position.
+KV_SPECS = ("B/d M/c K/t S D", "B/d M/c K/t S D", "B/d S/c", "S/c")
 
 
 def to_blocks(x, block: int):
@@ -117,16 +120,16 @@ def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, bl
 
 
 def shard_blocks(shard, block: int):
-    """(x, y, doc_start, row_position) of one device's positions, (k, v, ...) or (q, do, ...):
-    x, y [B, L, ...] to head blocks (to_head_blocks), doc_start [B, L] and row_position [L]
-    cut into blocks ([B, N, block] and [N, block])."""
-    x, y, doc_start, row_position = shard
-    return to_head_blocks(x, block), to_head_blocks(y, block), to_blocks(doc_start, block), row_position.reshape(-1, block)
+    """(k, v, doc_start, row_position) of a key and value shard as it travels the ring, k and v
+    already head blocks [B, M, K, block, D]: doc_start [B, S] and row_position [S] cut into
+    blocks too ([B, M, block] and [M, block])."""
+    k_blocks, v_blocks, doc_start, row_position = shard
+    return k_blocks, v_blocks, to_blocks(doc_start, block), row_position.reshape(-1, block)
 
 
 def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block: int):
     """One ring step of the forward pass: every query block against the blocks it must see of
-    the key and value shard kv = (k, v, doc_start, row_position), by online softmax (Milakov &
+    the key and value shard kv = (k and v as head blocks, doc_start, row_position), by online softmax (Milakov &
     Gimelshein 2018): each query keeps a running max, the sum of exp(score - max) and the sum
     of its weighted values (carry, for all query blocks), rescaled whenever the max grows."""
     k_blocks, v_blocks, k_start_blocks, k_position_blocks = shard_blocks(kv, block)
@@ -169,15 +172,16 @@ def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))  # sent before this step's work: the transfer can overlap it
         return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
 
-    ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, (k, v, doc_start, row_position)), None, length=axis_size("c"))
+    kv = (to_head_blocks(k, block), to_head_blocks(v, block), doc_start, row_position)
+    ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, kv), None, length=axis_size("c"))
     o_blocks = einsum_unreduced("N B/d K/t Q L D -> B/d N K/t Q L D", numerator / denominator[..., None])
     return from_head_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
 
 
 def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block: int):
     """One ring step of the backward pass, over the same block pairs as the forward pass: this
-    device's share of dq [B, N, K, Q, L, D] and of the visiting shard's dk, dv [B, S, K, D]
-    (float32). Each pair's softmax weights P are recomputed from its scores and the saved
+    device's share of dq [B, N, K, Q, L, D] and of the visiting shard's dk, dv [B, M, K, S, D]
+    (float32, head blocks as k and v travel). Each pair's softmax weights P are recomputed from its scores and the saved
     log-sum-exp; with dP = dO V^T, the scores' gradient is P * (dP - rowsum(dO * O))."""
     k_blocks, v_blocks, k_start_blocks, k_position_blocks = shard_blocks(kv, block)
     first, stop = key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, block)
@@ -204,8 +208,7 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
         return lax.dynamic_update_index_in_dim(dq, dq_n, n, 1), dk, dv
 
     dq_dk_dv = tuple(jnp.zeros_like(x, jnp.float32) for x in (q_blocks, k_blocks, v_blocks))
-    dq, dk, dv = lax.fori_loop(0, q_blocks.shape[1], backward_query_block, dq_dk_dv)
-    return dq, from_head_blocks(dk), from_head_blocks(dv)
+    return lax.fori_loop(0, q_blocks.shape[1], backward_query_block, dq_dk_dv)
 
 
 def ring_attention_backward(block: int, saved, do):
@@ -213,7 +216,8 @@ def ring_attention_backward(block: int, saved, do):
     and the gradients of each key and value shard travel with it, each device adding its share,
     until they come home."""
     q, k, v, o, log_sum_exp, doc_start, row_position = saved
-    q_blocks, do_blocks, q_start_blocks, q_position_blocks = shard_blocks((q, do, doc_start, row_position), block)
+    q_blocks, do_blocks, q_start_blocks = to_head_blocks(q, block), to_head_blocks(do, block), to_blocks(doc_start, block)
+    q_position_blocks = row_position.reshape(-1, block)
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP; [B, N, K, Q, L].
     delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
     delta_blocks = einsum_unreduced("B/d N L Q K/t -> B/d N K/t Q L", to_blocks(delta, block))
@@ -228,11 +232,12 @@ def ring_attention_backward(block: int, saved, do):
         dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
+    kv = (to_head_blocks(k, block), to_head_blocks(v, block), doc_start, row_position)
     dq = jnp.zeros_like(q_blocks, jnp.float32)
-    dk_dv = (jnp.zeros_like(k, jnp.float32), jnp.zeros_like(v, jnp.float32))
-    (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, (k, v, doc_start, row_position), dk_dv), None, length=axis_size("c"))
+    dk_dv = (jnp.zeros_like(kv[0], jnp.float32), jnp.zeros_like(kv[1], jnp.float32))
+    (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, kv, dk_dv), None, length=axis_size("c"))
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
-    return from_head_blocks(dq.astype(q.dtype)), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return from_head_blocks(dq.astype(q.dtype)), from_head_blocks(dk.astype(k.dtype)), from_head_blocks(dv.astype(v.dtype)), None, None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
