@@ -49,11 +49,10 @@ def dense_attention(q, k, v, mask):
 # (position // block). Inside the kernel q, k, v and their gradients are laid out by blocks
 # and heads first, [B, N, K, (Q,) block, D], once a layer: each block pair's matmuls then read
 # their operands as they lie, batched over B and K, where the row layout [B, L, (Q,) K, D] made
-# XLA transpose both operands of every pair; keys and values travel the ring in this layout.
-# The keys and values go round the c devices of the ring: at ring step s a
-# device holds those of the device s places before it, and every query block visits, one pair
-# at a time, the blocks of that shard it must see: not after it, and not wholly before the
-# start of the earliest document among its queries. Only one pair's scores [B, K, Q, L, S]
+# XLA transpose both operands of every pair. The keys and values go round the c devices of
+# the ring, in that layout: at ring step s a device holds those of the device s places before
+# it, and every query block visits, one pair at a time, the blocks of that shard it must see:
+# not after it, and not wholly before the start of the earliest document among its queries. Only one pair's scores [B, K, Q, L, S]
 # exist at once (L, S: positions within a block); future blocks and blocks of earlier
 # documents only are never computed. With c = 1 the ring is one step over the device's own keys.
 
@@ -81,7 +80,7 @@ def from_head_blocks(x):
 
 
 def block_at(blocks, n):
-    """blocks[:, n]: block n [B, block, ...] of [B, N, block, ...]. A 16-bit float array is read as
+    """blocks[:, n]: block n [B, ...] of [B, N, ...]. A 16-bit float array is read as
     its bits: XLA:CPU holds a bfloat16 array that a loop slices as float32, converting all of it
     before the loop and every block read back (the gap that jax_extra's saving as bits closes)."""
     if not (jnp.issubdtype(blocks.dtype, jnp.floating) and blocks.dtype.itemsize == 2):
