@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_extra import save_in_forward_rule
+from jax_extra import as_bits, is_16_bit_float, save_in_forward_rule
 from shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
 
@@ -83,10 +83,9 @@ def block_at(blocks, n):
     """blocks[:, n]: block n [B, ...] of [B, N, ...]. A 16-bit float array is read as
     its bits: XLA:CPU holds a bfloat16 array that a loop slices as float32, converting all of it
     before the loop and every block read back (the gap that jax_extra's saving as bits closes)."""
-    if not (jnp.issubdtype(blocks.dtype, jnp.floating) and blocks.dtype.itemsize == 2):
+    if not is_16_bit_float(blocks):
         return lax.dynamic_index_in_dim(blocks, n, axis=1, keepdims=False)
-    bits = lax.bitcast_convert_type(blocks, jnp.dtype(f"uint{8 * blocks.dtype.itemsize}"))
-    return lax.bitcast_convert_type(lax.dynamic_index_in_dim(bits, n, axis=1, keepdims=False), blocks.dtype)
+    return lax.bitcast_convert_type(lax.dynamic_index_in_dim(as_bits(blocks), n, axis=1, keepdims=False), blocks.dtype)
 
 
 def add_to_block(blocks, j, update):
