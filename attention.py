@@ -117,6 +117,12 @@ def key_blocks_to_visit(q_start_blocks, q_position_blocks, k_position_blocks, bl
     return first, stop
 
 
+def own_kv_shard(k, v, doc_start, row_position, block: int):
+    """This device's keys and values [B, S, K, D], doc_start [B, S] and row_position [S] as they
+    travel the ring (KV_SPECS): k and v as head blocks, transposed once before the ring."""
+    return to_head_blocks(k, block), to_head_blocks(v, block), doc_start, row_position
+
+
 def shard_blocks(shard, block: int):
     """(k, v, doc_start, row_position) of a key and value shard as it travels the ring, k and v
     already head blocks [B, M, K, block, D]: doc_start [B, S] and row_position [S] cut into
@@ -170,7 +176,7 @@ def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))  # sent before this step's work: the transfer can overlap it
         return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
 
-    kv = (to_head_blocks(k, block), to_head_blocks(v, block), doc_start, row_position)
+    kv = own_kv_shard(k, v, doc_start, row_position, block)
     ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, kv), None, length=axis_size("c"))
     o_blocks = einsum_unreduced("N B/d K/t Q L D -> B/d N K/t Q L D", numerator / denominator[..., None])
     return from_head_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
@@ -230,7 +236,7 @@ def ring_attention_backward(block: int, saved, do):
         dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
-    kv = (to_head_blocks(k, block), to_head_blocks(v, block), doc_start, row_position)
+    kv = own_kv_shard(k, v, doc_start, row_position, block)
     dq = jnp.zeros_like(q_blocks, jnp.float32)
     dk_dv = (jnp.zeros_like(kv[0], jnp.float32), jnp.zeros_like(kv[1], jnp.float32))
     (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, kv, dk_dv), None, length=axis_size("c"))
