@@ -215,9 +215,11 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, MATMUL_DTYPE)
     gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
     up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
-    # silu(gate) * up, computed once as it is laid out (optimization_barrier): otherwise XLA:CPU
-    # recomputes it inside the transpose that w_down's gradient needs, reading gate and up strided.
-    hidden = lax.optimization_barrier((gate * jax.nn.sigmoid(gate) * up).astype(MATMUL_DTYPE))
+    # silu(gate) * up in float32, rounded once: in bf16 XLA:CPU rounds after every step of the
+    # sigmoid, at twice the cost. Computed once as it is laid out (optimization_barrier): otherwise
+    # XLA:CPU recomputes it inside the transpose that w_down's gradient needs, reading gate strided.
+    g = gate.astype(jnp.float32)
+    hidden = lax.optimization_barrier((g * jax.nn.sigmoid(g) * up).astype(MATMUL_DTYPE))
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L/c F/t, F/t M -> B/d L/c M", hidden, w_down)  # partial sums over t
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out), extra
