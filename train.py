@@ -221,7 +221,10 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     g = gate.astype(jnp.float32)
     hidden = lax.optimization_barrier((g * jax.nn.sigmoid(g) * up).astype(MATMUL_DTYPE))
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
-    out = einsum_unreduced("B/d L/c F/t, F/t M -> B/d L/c M", hidden, w_down)  # partial sums over t
+    # w_down enters transposed, [M, F]: for its gradient (a sum over tokens) XLA:CPU transposes the
+    # operand whose dimension leads the result, so the narrower output gradient [B L, M], not
+    # hidden [B L, F] (with SwiGLU recomputed in that strided pass).
+    out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out), extra
 
 
