@@ -216,10 +216,9 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
     up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
     # silu(gate) * up in float32, rounded once: in bf16 XLA:CPU rounds after every step of the
-    # sigmoid, at twice the cost. Computed once as it is laid out (optimization_barrier): otherwise
-    # XLA:CPU recomputes it inside the transpose that w_down's gradient needs, reading gate strided.
+    # sigmoid, at twice the cost.
     g = gate.astype(jnp.float32)
-    hidden = lax.optimization_barrier((g * jax.nn.sigmoid(g) * up).astype(MATMUL_DTYPE))
+    hidden = (g * jax.nn.sigmoid(g) * up).astype(MATMUL_DTYPE)
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
     # w_down enters transposed, [M, F]: for its gradient (a sum over tokens) XLA:CPU transposes the
     # operand whose dimension leads the result, so the narrower output gradient [B L, M], not
