@@ -195,8 +195,8 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
         q_n, do_n, start_n, position_n = block_at(q_blocks, n), block_at(do_blocks, n), block_at(q_start_blocks, n), q_position_blocks[n]
         delta_n = block_at(delta_blocks, n)  # [B, K, Q, L]
 
-        def add_key_block(step, carry):
-            dq_n, dk, dv = carry
+        def add_key_block(step, dq_dk_dv):
+            dq, dk, dv = dq_dk_dv
             j = stop[n] - 1 - step
             k_j, v_j = block_at(k_blocks, j), block_at(v_blocks, j)
             scores = block_scores(q_n, k_j, start_n, block_at(k_start_blocks, j), position_n, k_position_blocks[j])
@@ -205,11 +205,9 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
             d_weights = einsum_unreduced("B/d K/t Q L D, B/d K/t S D -> B/d K/t Q L S", do_n, v_j)
             d_scores = (weights * (d_weights - delta_n[..., None]) * scale).astype(q_blocks.dtype)
             dk = add_to_block(dk, j, einsum_unreduced("B/d K/t Q L S, B/d K/t Q L D -> B/d K/t S D", d_scores, q_n))
-            return dq_n + einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D", d_scores, k_j), dk, dv
+            return add_to_block(dq, n, einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D", d_scores, k_j)), dk, dv
 
-        dq, dk, dv = dq_dk_dv
-        dq_n, dk, dv = lax.fori_loop(0, stop[n] - first[n], add_key_block, (jnp.zeros_like(q_n, jnp.float32), dk, dv))
-        return lax.dynamic_update_index_in_dim(dq, dq_n, n, 1), dk, dv
+        return lax.fori_loop(0, stop[n] - first[n], add_key_block, dq_dk_dv)
 
     dq_dk_dv = tuple(jnp.zeros_like(x, jnp.float32) for x in (q_blocks, k_blocks, v_blocks))
     return lax.fori_loop(0, q_blocks.shape[1], backward_query_block, dq_dk_dv)
