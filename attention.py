@@ -158,11 +158,12 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
     return lax.map(attend, (jnp.arange(q_blocks.shape[1]), carry))
 
 
-def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
+def ring_attention_forward(q_blocks, kv, block: int):
     """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
-    scores [N, B, K, Q, L] (float32), over c ring steps."""
-    q_blocks, q_start_blocks = to_head_blocks(q, block), to_blocks(doc_start, block)
-    q_position_blocks = row_position.reshape(-1, block)
+    scores [N, B, K, Q, L] (float32), over c ring steps, from the queries as head blocks
+    [B, N, K, Q, block, D] and this device's key and value shard kv (own_kv_shard)."""
+    doc_start, row_position = kv[2:]
+    q_start_blocks, q_position_blocks = to_blocks(doc_start, block), row_position.reshape(-1, block)
     # Ring step 0 is the device's own shard, whose nearest block to each query block is the
     # diagonal one, where every query sees itself: the running max is a real score from the
     # first pair on, and later fully masked rows add exactly 0 (exp(-1e30 - max)). (full_like
@@ -176,10 +177,9 @@ def ring_attention_forward(q, k, v, doc_start, row_position, block: int):
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))  # sent before this step's work: the transfer can overlap it
         return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
 
-    kv = own_kv_shard(k, v, doc_start, row_position, block)
     ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, kv), None, length=axis_size("c"))
     o_blocks = einsum_unreduced("N B/d K/t Q L D -> B/d N K/t Q L D", numerator / denominator[..., None])
-    return from_head_blocks(o_blocks).astype(q.dtype), running_max + jnp.log(denominator)
+    return from_head_blocks(o_blocks).astype(q_blocks.dtype), running_max + jnp.log(denominator)
 
 
 def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block: int):
@@ -217,9 +217,9 @@ def ring_attention_backward(block: int, saved, do):
     """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D]: the ring runs again,
     and the gradients of each key and value shard travel with it, each device adding its share,
     until they come home."""
-    q, k, v, o, log_sum_exp, doc_start, row_position = saved
-    q_blocks, do_blocks, q_start_blocks = to_head_blocks(q, block), to_head_blocks(do, block), to_blocks(doc_start, block)
-    q_position_blocks = row_position.reshape(-1, block)
+    q_blocks, kv, o, log_sum_exp = saved
+    doc_start, row_position = kv[2:]
+    do_blocks, q_start_blocks, q_position_blocks = to_head_blocks(do, block), to_blocks(doc_start, block), row_position.reshape(-1, block)
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP; [B, N, K, Q, L].
     delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
     delta_blocks = einsum_unreduced("B/d N L Q K/t -> B/d N K/t Q L", to_blocks(delta, block))
@@ -234,12 +234,11 @@ def ring_attention_backward(block: int, saved, do):
         dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
-    kv = own_kv_shard(k, v, doc_start, row_position, block)
     dq = jnp.zeros_like(q_blocks, jnp.float32)
     dk_dv = (jnp.zeros_like(kv[0], jnp.float32), jnp.zeros_like(kv[1], jnp.float32))
     (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, kv, dk_dv), None, length=axis_size("c"))
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
-    return from_head_blocks(dq.astype(q.dtype)), from_head_blocks(dk.astype(k.dtype)), from_head_blocks(dv.astype(v.dtype)), None, None
+    return tuple(from_head_blocks(g.astype(x.dtype)) for g, x in ((dq, q_blocks), (dk, kv[0]), (dv, kv[1]))) + (None, None)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -249,15 +248,19 @@ def ring_attention(q, k, v, doc_start, row_position, block: int):
     doc_start [B, L] is where each token's document starts and row_position [L] where each
     token sits in the row. Runs inside shard_map. The same numbers as dense_attention with
     causal_document_mask over whole rows, up to rounding."""
-    return ring_attention_forward(q, k, v, doc_start, row_position, block)[0]
+    return ring_attention_forward(to_head_blocks(q, block), own_kv_shard(k, v, doc_start, row_position, block), block)[0]
 
 
 def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
-    """The forward pass under differentiation: the output and its log-sum-exp are kept for the
-    backward pass (marked, so that layer rematerialization keeps them too)."""
-    o, log_sum_exp = ring_attention_forward(q, k, v, doc_start, row_position, block)
+    """The forward pass under differentiation. Kept for the backward pass (marked, so that layer
+    rematerialization keeps them too): q, k and v as the head blocks the kernel reads, so that
+    the backward pass does not transpose them again, the output and its log-sum-exp."""
+    q_blocks, (k_blocks, v_blocks, *positions) = to_head_blocks(q, block), own_kv_shard(k, v, doc_start, row_position, block)
+    q_blocks, k_blocks, v_blocks = (save_in_forward_rule(x) for x in (q_blocks, k_blocks, v_blocks))
+    kv = (k_blocks, v_blocks, *positions)
+    o, log_sum_exp = ring_attention_forward(q_blocks, kv, block)
     o, log_sum_exp = save_in_forward_rule(o), save_in_forward_rule(log_sum_exp)
-    return o, (q, k, v, o, log_sum_exp, doc_start, row_position)
+    return o, (q_blocks, kv, o, log_sum_exp)
 
 
 ring_attention.defvjp(ring_attention_forward_saving, ring_attention_backward)

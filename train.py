@@ -201,10 +201,9 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, MATMUL_DTYPE)
     q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
     k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
-    v = save_for_backward(einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE))
-    q = save_for_backward(rope(q, *rotation).astype(MATMUL_DTYPE))
-    k = save_for_backward(rope(k, *rotation).astype(MATMUL_DTYPE))
-    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
+    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE)
+    q, k = rope(q, *rotation).astype(MATMUL_DTYPE), rope(k, *rotation).astype(MATMUL_DTYPE)
+    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]; ring_attention keeps q, k, v (as its head blocks) for its backward pass
     w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
     x = save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out))

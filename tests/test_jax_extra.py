@@ -66,9 +66,10 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
     # bfloat16 values are kept as their 16 bits (jax_extra: XLA:CPU widens a bf16 stack's update).
     expected = [
         ("u16", (B, L, M)),  # the attention's normalized input: the q, k and v projections' weight gradients
-        ("u16", (B, L, Q, K, D)),  # q after RoPE, for the gradients of k
-        ("u16", (B, L, K, D)),  # k after RoPE, for the gradients of q
-        ("u16", (B, L, K, D)),  # v, for the gradients of the softmax weights
+        # q, k (after RoPE) and v as the attention kernel's head blocks [B, N, K, (Q,) block, D]
+        ("u16", (B, N, K, Q, cfg.model.attention_block, D)),  # q, for the gradients of k
+        ("u16", (B, N, K, cfg.model.attention_block, D)),  # k, for the gradients of q
+        ("u16", (B, N, K, cfg.model.attention_block, D)),  # v, for the gradients of the softmax weights
         ("u16", (B, L, Q, K, D)),  # the attention's output: the out projection's weight gradient
         ("f32", (N, B, K, Q, cfg.model.attention_block)),  # the log-sum-exp of every query's scores, to rebuild the softmax
         x,  # the residual stream after attention: the FFN norm's gradient
