@@ -159,10 +159,10 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
 
 
 def ring_attention_forward(q_blocks, kv, block: int):
-    """Attention output o [B, L, Q, K, D] (q's dtype) and the log-sum-exp of every query's
-    scores [N, B, K, Q, L] (float32), over c ring steps, from the queries as head blocks
-    [B, N, K, Q, block, D] and this device's key and value shard kv (own_kv_shard)."""
-    doc_start, row_position = kv[2:]
+    """Attention output o [B, L, Q, K, D] (q_blocks' dtype) and the log-sum-exp of every query's
+    scores [N, B, K, Q, block] (float32), over c ring steps, from the queries as head blocks
+    q_blocks [B, N, K, Q, block, D] and this device's key and value shard kv (own_kv_shard)."""
+    doc_start, row_position = kv[2:]  # the queries' too: kv is this device's own shard
     q_start_blocks, q_position_blocks = to_blocks(doc_start, block), row_position.reshape(-1, block)
     # Ring step 0 is the device's own shard, whose nearest block to each query block is the
     # diagonal one, where every query sees itself: the running max is a real score from the
@@ -218,7 +218,7 @@ def ring_attention_backward(block: int, saved, do):
     and the gradients of each key and value shard travel with it, each device adding its share,
     until they come home."""
     q_blocks, kv, o, log_sum_exp = saved
-    doc_start, row_position = kv[2:]
+    doc_start, row_position = kv[2:]  # the queries' too: kv is this device's own shard
     do_blocks, q_start_blocks, q_position_blocks = to_head_blocks(do, block), to_blocks(doc_start, block), row_position.reshape(-1, block)
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP; [B, N, K, Q, L].
     delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
@@ -238,12 +238,13 @@ def ring_attention_backward(block: int, saved, do):
     dk_dv = (jnp.zeros_like(kv[0], jnp.float32), jnp.zeros_like(kv[1], jnp.float32))
     (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, kv, dk_dv), None, length=axis_size("c"))
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
-    return tuple(from_head_blocks(g.astype(x.dtype)) for g, x in ((dq, q_blocks), (dk, kv[0]), (dv, kv[1]))) + (None, None)
+    dq, dk, dv = from_head_blocks(dq.astype(q_blocks.dtype)), from_head_blocks(dk.astype(kv[0].dtype)), from_head_blocks(dv.astype(kv[1].dtype))
+    return dq, dk, dv, None, None  # doc_start and row_position are integers: no cotangent
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def ring_attention(q, k, v, doc_start, row_position, block: int):
-    """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, L, K, D]
+    """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, S, K, D]
     by blocks of `block` positions, with the keys and values of all devices of mesh axis c;
     doc_start [B, L] is where each token's document starts and row_position [L] where each
     token sits in the row. Runs inside shard_map. The same numbers as dense_attention with
@@ -253,11 +254,12 @@ def ring_attention(q, k, v, doc_start, row_position, block: int):
 
 def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
     """The forward pass under differentiation. Kept for the backward pass (marked, so that layer
-    rematerialization keeps them too): q, k and v as the head blocks the kernel reads, so that
-    the backward pass does not transpose them again, the output and its log-sum-exp."""
-    q_blocks, (k_blocks, v_blocks, *positions) = to_head_blocks(q, block), own_kv_shard(k, v, doc_start, row_position, block)
-    q_blocks, k_blocks, v_blocks = (save_in_forward_rule(x) for x in (q_blocks, k_blocks, v_blocks))
-    kv = (k_blocks, v_blocks, *positions)
+    rematerialization keeps them too): the head blocks of q, k and v that the kernel reads (the
+    backward pass then needs no transpose of them), the output o and its log-sum-exp; doc_start
+    and row_position are the layer's arguments."""
+    q_blocks = save_in_forward_rule(to_head_blocks(q, block))
+    k_blocks, v_blocks, doc_start, row_position = own_kv_shard(k, v, doc_start, row_position, block)
+    kv = (save_in_forward_rule(k_blocks), save_in_forward_rule(v_blocks), doc_start, row_position)
     o, log_sum_exp = ring_attention_forward(q_blocks, kv, block)
     o, log_sum_exp = save_in_forward_rule(o), save_in_forward_rule(log_sum_exp)
     return o, (q_blocks, kv, o, log_sum_exp)

@@ -136,7 +136,7 @@ def predicted_per_step(cfg: Config) -> dict[tuple[str, str], float]:
     and scatters it twice, the backward regathers it twice and transposes all four; embedding and
     logits add one of each each way. The ring over c, per layer: the forward passes k, v (bf16,
     sent as u16 bits), doc_start and row_position c times (the rematerialization does not rerun
-    attention: its output is saved), the backward c times more, and the f32 gradients of k and
+    attention: what its backward needs is saved), the backward c times more, and the f32 gradients of k and
     v c + 1 times (attention.ring_attention_backward); XLA hoists the forward's passes of
     doc_start and row_position out of the layers' loop (they are the same for every layer).
     Norm gradients and the scalars are all-reduced. Collectives that send nothing are left out."""

@@ -61,7 +61,8 @@ _RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
 
 def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDtypeStruct]:
     """For the memory report, per device: what one transformer layer keeps for its backward pass
-    (print_saved_residuals lines: its input x, its weights and every save_for_backward) and the
+    (print_saved_residuals lines: its input x, its weights and every value marked with
+    save_for_backward, or save_in_forward_rule inside attention's custom VJP) and the
     float32 logits (B/d L/c V/t). `layer(x, w, doc_start, sin, cos, row_position)` is the layer as
     the step's scan runs it (train.training_layer with the model config bound), whose annotations
     give the shardings of x [B, L, M], doc_start [B, L], RoPE's sin and cos [B, L, D/2] and
@@ -100,7 +101,7 @@ def residual_size(line: str) -> tuple[str, int]:
 
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
     """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
-    save_for_backward and the layer's input (the scan keeps it per layer). Its weights are left
+    save_for_backward (or save_in_forward_rule) and the layer's input (the scan keeps it per layer). Its weights are left
     out: they are slices of the stacked weights, counted once."""
     kept = []
     for line in residual_lines:

@@ -203,7 +203,8 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
     v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE)
     q, k = rope(q, *rotation).astype(MATMUL_DTYPE), rope(k, *rotation).astype(MATMUL_DTYPE)
-    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]; ring_attention keeps q, k, v (as its head blocks) for its backward pass
+    # Training's attend (attention.ring_attention) keeps q, k, v as head blocks, o and its log-sum-exp for backward.
+    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
     w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
     x = save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out))
@@ -216,12 +217,13 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
     # silu(gate) * up in float32, rounded once: in bf16 XLA:CPU rounds after every step of the
     # sigmoid, at twice the cost.
-    g = gate.astype(jnp.float32)
-    hidden = (g * jax.nn.sigmoid(g) * up).astype(MATMUL_DTYPE)
+    gate_f32 = gate.astype(jnp.float32)
+    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(MATMUL_DTYPE)
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
-    # w_down enters transposed, [M, F]: for its gradient (a sum over tokens) XLA:CPU transposes the
-    # operand whose dimension leads the result, so the narrower output gradient [B L, M], not
-    # hidden [B L, F] (with SwiGLU recomputed in that strided pass).
+    # w_down enters transposed, [M, F/t] (stored [F, M]): XLA:CPU's matmul contracts its left operand
+    # on the last dimension, so for a weight's gradient (a sum over tokens) it transposes the
+    # token-major operand that gives the gradient's first dimension: here the output gradient
+    # [B L, M]; [F, M] transposed hidden [B L, F/t], with SwiGLU's recompute fused into that pass.
     out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out), extra
 

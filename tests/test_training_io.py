@@ -157,8 +157,8 @@ def test_unknown_accelerator_gives_null_mfu_and_one_warning(tmp_path, monkeypatc
 
 def test_memory_report_follows_save_for_backward(monkeypatch):
     """A value marked with save_for_backward shows up in the estimate by itself. Here the
-    sigmoid of the SwiGLU gate (float32 [B/d, L, F/t], which the backward pass needs and now
-    recomputes) is marked too."""
+    sigmoid of the SwiGLU gate (float32 [B/d, L, F/t], which the backward pass needs and
+    otherwise recomputes) is marked too."""
     cfg = tiny_config()
     mesh = make_mesh(4, 2)
     state = abstract_state(cfg, mesh)
