@@ -162,8 +162,7 @@ def ring_attention_forward(q_blocks, kv, block: int):
     """Attention output o [B, L, Q, K, D] (q_blocks' dtype) and the log-sum-exp of every query's
     scores [N, B, K, Q, block] (float32), over c ring steps, from the queries as head blocks
     q_blocks [B, N, K, Q, block, D] and this device's key and value shard kv (own_kv_shard)."""
-    doc_start, row_position = kv[2:]  # the queries' too: kv is this device's own shard
-    q_start_blocks, q_position_blocks = to_blocks(doc_start, block), row_position.reshape(-1, block)
+    _, _, q_start_blocks, q_position_blocks = shard_blocks(kv, block)  # the queries' too: kv is this device's own shard
     # Ring step 0 is the device's own shard, whose nearest block to each query block is the
     # diagonal one, where every query sees itself: the running max is a real score from the
     # first pair on, and later fully masked rows add exactly 0 (exp(-1e30 - max)). (full_like
@@ -218,8 +217,8 @@ def ring_attention_backward(block: int, saved, do):
     and the gradients of each key and value shard travel with it, each device adding its share,
     until they come home."""
     q_blocks, kv, o, log_sum_exp = saved
-    doc_start, row_position = kv[2:]  # the queries' too: kv is this device's own shard
-    do_blocks, q_start_blocks, q_position_blocks = to_head_blocks(do, block), to_blocks(doc_start, block), row_position.reshape(-1, block)
+    _, _, q_start_blocks, q_position_blocks = shard_blocks(kv, block)  # the queries' too: kv is this device's own shard
+    do_blocks = to_head_blocks(do, block)
     # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP; [B, N, K, Q, L].
     delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
     delta_blocks = einsum_unreduced("B/d N L Q K/t -> B/d N K/t Q L", to_blocks(delta, block))
