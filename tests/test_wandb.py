@@ -83,6 +83,14 @@ def read_offline_run(run_dir: str) -> tuple[str, dict, dict[int, dict]]:
     return run_id, cfg, history
 
 
+def start_order(directory: str) -> tuple[str, int]:
+    """Sort key of an offline run directory, offline-run-<YYYYMMDD_HHMMSS>-<run id>[-<n>]: W&B adds
+    -1, -2, ... when a start's directory name is already taken (two starts in one second)."""
+    _, _, time, rest = os.path.basename(directory).split("-", 3)
+    run_id, _, n = rest.partition("-")
+    return time, int(n or 0)
+
+
 def by_step(lines: list[dict]) -> dict[int, dict]:
     """metrics.jsonl lines merged per step, as W&B keeps them (a step's row gets every value logged at it)."""
     out = {}
@@ -106,7 +114,7 @@ def test_wandb_gets_the_metrics_lines_and_config_and_a_restart_resumes_the_same_
 
     lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     assert any("eval_loss" in line for line in lines) and any(line.get("mfu") is not None for line in lines)
-    starts = sorted(glob.glob(str(tmp_path / "wandb_dir" / "wandb" / f"offline-run-*-{run_id}")), key=os.path.getmtime)
+    starts = sorted(glob.glob(str(tmp_path / "wandb_dir" / "wandb" / f"offline-run-*-{run_id}*")), key=start_order)
     assert len(starts) == 2, starts  # one directory per process start, both of the one W&B run
     for directory, part in zip(starts, (lines[:first_lines], lines[first_lines:])):
         got_id, cfg, history = read_offline_run(directory)
