@@ -52,9 +52,10 @@ def dense_attention(q, k, v, mask):
 # XLA transpose both operands of every pair. The keys and values go round the c devices of
 # the ring, in that layout: at ring step s a device holds those of the device s places before
 # it, and every query block visits, one pair at a time, the blocks of that shard it must see:
-# not after it, and not wholly before the start of the earliest document among its queries. Only one pair's scores [B, K, Q, L, S]
-# exist at once (L, S: positions within a block); future blocks and blocks of earlier
-# documents only are never computed. With c = 1 the ring is one step over the device's own keys.
+# not after it, and not wholly before the start of the earliest document among its queries.
+# Only one pair's scores [B, K, Q, L, S] exist at once (L, S: positions within a block);
+# future blocks and blocks of earlier documents only are never computed. With c = 1 the ring
+# is one step over the device's own keys.
 
 # What travels round the ring: k and v as head blocks (M: the shard's blocks, S: a block's
 # positions; their gradients travel the same way), doc_start and row_position.
@@ -98,7 +99,8 @@ def block_scores(q_block, k_block, q_doc_start, k_doc_start, q_position, k_posit
     key block k_block [B, K, S, D]; -1e30 (softmax weight 0) where the key lies in another
     document (doc_start: where each token's document starts) or after the query (position: in
     the row, [L] and [S])."""
-    scores = einsum_unreduced("B/d K/t Q L D, B/d K/t S D -> B/d K/t Q L S", q_block, k_block) * (q_block.shape[-1] ** -0.5)
+    scores = (einsum_unreduced("B/d K/t Q L D, B/d K/t S D -> B/d K/t Q L S", q_block, k_block)
+              * (q_block.shape[-1] ** -0.5))
     visible = causal_document_mask(q_position, k_position, q_doc_start, k_doc_start)
     return jnp.where(visible[:, None, None], scores, -1e30)
 
@@ -146,12 +148,15 @@ def forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, b
         def add_key_block(step, carry):
             running_max, denominator, numerator = carry
             j = stop[n] - 1 - step  # from the nearest block back
-            scores = block_scores(q_n, block_at(k_blocks, j), start_n, block_at(k_start_blocks, j), position_n, k_position_blocks[j])
+            scores = block_scores(q_n, block_at(k_blocks, j), start_n, block_at(k_start_blocks, j), position_n,
+                                  k_position_blocks[j])
             new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
             rescale = jnp.exp(running_max - new_max)
             weights = jnp.exp(scores - new_max[..., None])
-            weighted_values = einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D", weights.astype(v_blocks.dtype), block_at(v_blocks, j))
-            return new_max, denominator * rescale + jnp.sum(weights, axis=-1), numerator * rescale[..., None] + weighted_values
+            weighted_values = einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D",
+                                               weights.astype(v_blocks.dtype), block_at(v_blocks, j))
+            return (new_max, denominator * rescale + jnp.sum(weights, axis=-1),
+                    numerator * rescale[..., None] + weighted_values)
 
         return lax.fori_loop(0, stop[n] - first[n], add_key_block, carry)
 
@@ -173,7 +178,8 @@ def ring_attention_forward(q_blocks, kv, block: int):
 
     def ring_step(carry_and_kv, _):
         carry, kv = carry_and_kv
-        arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))  # sent before this step's work: the transfer can overlap it
+        # sent before this step's work: the transfer can overlap it
+        arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))
         return (forward_over_shard(carry, q_blocks, q_start_blocks, q_position_blocks, kv, block), arriving), None
 
     ((running_max, denominator, numerator), _), _ = lax.scan(ring_step, (carry, kv), None, length=axis_size("c"))
@@ -181,7 +187,8 @@ def ring_attention_forward(q_blocks, kv, block: int):
     return from_head_blocks(o_blocks).astype(q_blocks.dtype), running_max + jnp.log(denominator)
 
 
-def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block: int):
+def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv,
+                        block: int):
     """One ring step of the backward pass, over the same block pairs as the forward pass: this
     device's share of dq [B, N, K, Q, L, D] and of the visiting shard's dk, dv [B, M, K, S, D]
     (float32, head blocks as k and v travel). Each pair's softmax weights P are recomputed from its scores and the saved
@@ -191,7 +198,8 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
     scale = q_blocks.shape[-1] ** -0.5
 
     def backward_query_block(n, dq_dk_dv):
-        q_n, do_n, start_n, position_n = block_at(q_blocks, n), block_at(do_blocks, n), block_at(q_start_blocks, n), q_position_blocks[n]
+        q_n, do_n, start_n, position_n = (
+            block_at(q_blocks, n), block_at(do_blocks, n), block_at(q_start_blocks, n), q_position_blocks[n])
         delta_n = block_at(delta_blocks, n)  # [B, K, Q, L]
 
         def add_key_block(step, dq_dk_dv):
@@ -200,11 +208,13 @@ def backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_
             k_j, v_j = block_at(k_blocks, j), block_at(v_blocks, j)
             scores = block_scores(q_n, k_j, start_n, block_at(k_start_blocks, j), position_n, k_position_blocks[j])
             weights = jnp.exp(scores - log_sum_exp[n][..., None])
-            dv = add_to_block(dv, j, einsum_unreduced("B/d K/t Q L S, B/d K/t Q L D -> B/d K/t S D", weights.astype(v_blocks.dtype), do_n))
+            dv = add_to_block(dv, j, einsum_unreduced("B/d K/t Q L S, B/d K/t Q L D -> B/d K/t S D",
+                                                      weights.astype(v_blocks.dtype), do_n))
             d_weights = einsum_unreduced("B/d K/t Q L D, B/d K/t S D -> B/d K/t Q L S", do_n, v_j)
             d_scores = (weights * (d_weights - delta_n[..., None]) * scale).astype(q_blocks.dtype)
             dk = add_to_block(dk, j, einsum_unreduced("B/d K/t Q L S, B/d K/t Q L D -> B/d K/t S D", d_scores, q_n))
-            return add_to_block(dq, n, einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D", d_scores, k_j)), dk, dv
+            return add_to_block(dq, n, einsum_unreduced("B/d K/t Q L S, B/d K/t S D -> B/d K/t Q L D",
+                                                        d_scores, k_j)), dk, dv
 
         return lax.fori_loop(0, stop[n] - first[n], add_key_block, dq_dk_dv)
 
@@ -230,14 +240,16 @@ def ring_attention_backward(block: int, saved, do):
         # passes zeros: one transfer more than the c a ring needs, the price of the overlap).
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))
         dk_in, dv_in = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)
-        dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks, kv, block)
+        dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks,
+                                              q_position_blocks, kv, block)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
     dq = jnp.zeros_like(q_blocks, jnp.float32)
     dk_dv = (jnp.zeros_like(kv[0], jnp.float32), jnp.zeros_like(kv[1], jnp.float32))
     (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, kv, dk_dv), None, length=axis_size("c"))
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
-    dq, dk, dv = from_head_blocks(dq.astype(q_blocks.dtype)), from_head_blocks(dk.astype(kv[0].dtype)), from_head_blocks(dv.astype(kv[1].dtype))
+    dq, dk, dv = (from_head_blocks(dq.astype(q_blocks.dtype)), from_head_blocks(dk.astype(kv[0].dtype)),
+                  from_head_blocks(dv.astype(kv[1].dtype)))
     return dq, dk, dv, None, None  # doc_start and row_position are integers: no cotangent
 
 
@@ -248,7 +260,8 @@ def ring_attention(q, k, v, doc_start, row_position, block: int):
     doc_start [B, L] is where each token's document starts and row_position [L] where each
     token sits in the row. Runs inside shard_map. The same numbers as dense_attention with
     causal_document_mask over whole rows, up to rounding."""
-    return ring_attention_forward(to_head_blocks(q, block), own_kv_shard(k, v, doc_start, row_position, block), block)[0]
+    return ring_attention_forward(to_head_blocks(q, block), own_kv_shard(k, v, doc_start, row_position, block),
+                                  block)[0]
 
 
 def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):

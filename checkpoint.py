@@ -56,10 +56,12 @@ class StateMismatch(CheckpointError):
 
 def leaf_names(tree) -> list[str]:
     """Array names of the leaves, in flattening order: key paths joined with '.'."""
-    names = [jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    names = [jax.tree_util.keystr(path, simple=True, separator=".")
+             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     for name in names:
         if not name or "/" in name or name.startswith("__") or set(name) == {"."}:
-            raise CheckpointError(f"pytree leaf with key path {name!r} cannot name a zarr array; use attribute, dict or sequence keys without '/'")
+            raise CheckpointError(f"pytree leaf with key path {name!r} cannot name a zarr array; "
+                                  "use attribute, dict or sequence keys without '/'")
     return names
 
 
@@ -100,7 +102,8 @@ class Checkpointer:
         if cfg.compression not in ("none", "zstd", "blosc"):
             raise ConfigError(f"checkpoints.compression={cfg.compression!r} is not one of none, zstd, blosc")
         if cfg.keep < 0 or cfg.threads < 1:
-            raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) and checkpoints.threads={cfg.threads} >= 1")
+            raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) "
+                              f"and checkpoints.threads={cfg.threads} >= 1")
         self.directory, self.cfg = directory, cfg
         self.process = jax.process_index()
         token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
@@ -128,7 +131,8 @@ class Checkpointer:
         """Steps whose group zarr.json is missing or garbled although the directory holds more:
         damaged. (An interrupted save's group metadata is whole, or is all that exists: it is
         written first, and the commit rewrites it atomically.)"""
-        return [s for s in self._steps_on_disk() if self._attributes(s) is None and set(os.listdir(self.step_dir(s))) - {"zarr.json"}]
+        return [s for s in self._steps_on_disk()
+                if self._attributes(s) is None and set(os.listdir(self.step_dir(s))) - {"zarr.json"}]
 
     def _steps_on_disk(self) -> list[int]:
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
@@ -170,11 +174,13 @@ class Checkpointer:
             return np.array(shard.data, copy=True).view(stored_dtype(dtype))
 
         def coords(shard, x):
-            return tuple(a // n for (a, _), n in zip(sharded_zarr.region(shard.index, x.shape), x.sharding.shard_shape(x.shape)))
+            return tuple(a // n for (a, _), n in zip(sharded_zarr.region(shard.index, x.shape),
+                                                     x.sharding.shard_shape(x.shape)))
 
         copies = [[self._io.submit(host_copy, s, x.dtype) for s in shards] for x, shards in zip(leaves, owned)]
         return [
-            _HostLeaf(name, x.shape, np.dtype(x.dtype), x.sharding, {coords(s, x): c.result() for s, c in zip(shards, cs)})
+            _HostLeaf(name, x.shape, np.dtype(x.dtype), x.sharding,
+                      {coords(s, x): c.result() for s, c in zip(shards, cs)})
             for name, x, shards, cs in zip(leaf_names(tree), leaves, owned, copies)
         ]
 
@@ -193,8 +199,9 @@ class Checkpointer:
         if os.path.exists(path):
             raise FileExistsError(f"checkpoint {path} already exists; restore() removes uncommitted ones before saving")
         os.makedirs(self.directory, exist_ok=True)
-        attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves], "write_completed": False,
-                      "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves}, "array_dtypes": {leaf.name: leaf.dtype.name for leaf in leaves}}
+        attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves],
+                      "write_completed": False, "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves},
+                      "array_dtypes": {leaf.name: leaf.dtype.name for leaf in leaves}}
         group = zarr.create_group(store=path, attributes=attributes)
         for leaf, layout in zip(leaves, layouts):
             key = (leaf.name, leaf.shape, leaf.dtype.name, layout)
@@ -204,7 +211,8 @@ class Checkpointer:
                 with open(metadata, "wb") as f:
                     f.write(self._metadata[key])
                 continue
-            sharded_zarr.create(group, leaf.name, leaf.shape, stored_dtype(leaf.dtype), layout, self._compressors(), {"dtype": leaf.dtype.name})
+            sharded_zarr.create(group, leaf.name, leaf.shape, stored_dtype(leaf.dtype), layout, self._compressors(),
+                                {"dtype": leaf.dtype.name})
             with open(metadata, "rb") as f:
                 self._metadata[key] = f.read()
 
@@ -220,12 +228,15 @@ class Checkpointer:
                 self._create(path, step, leaves, layouts)
                 _touch(markers.format("ready"))
             else:
-                self._wait(lambda: os.path.exists(markers.format("ready")), step, f"process 0 to create checkpoint {path}")
+                self._wait(lambda: os.path.exists(markers.format("ready")), step,
+                           f"process 0 to create checkpoint {path}")
             files = []
             for leaf, layout in zip(leaves, layouts):
                 array_dir = os.path.join(path, leaf.name)
-                # zarr's write_empty_chunks is not stored with the array: without it, zarr writes no file for a chunk or shard of zeros.
-                array = zarr.open_array(array_dir, mode="r+").with_config({"write_empty_chunks": True}) if self.cfg.compression != "none" else None
+                # zarr's write_empty_chunks is not stored with the array: without it, zarr writes no file
+                # for a chunk or shard of zeros.
+                array = (zarr.open_array(array_dir, mode="r+").with_config({"write_empty_chunks": True})
+                         if self.cfg.compression != "none" else None)
                 files += sharded_zarr.write_jobs(array_dir, layout, leaf.data, array)
             # Round robin over the files: writes to one file wait for each other on most file systems.
             jobs = [self._io.submit(job) for wave in itertools.zip_longest(*files) for job in wave if job is not None]
@@ -233,14 +244,16 @@ class Checkpointer:
                 job.result()
             _touch(written[self.process])
             if self.process == 0:
-                self._wait(lambda: all(os.path.exists(w) for w in written), step, f"every process to write checkpoint {path}")
+                self._wait(lambda: all(os.path.exists(w) for w in written), step,
+                           f"every process to write checkpoint {path}")
                 zarr.open_group(path, mode="r+").attrs.update({"write_completed": True})  # the commit
                 for marker in [markers.format("ready"), *written]:
                     os.remove(marker)
                 if self.cfg.keep:
                     self._delete(self.complete_steps()[: -self.cfg.keep])
             else:
-                self._wait(lambda: (self._attributes(step) or {}).get("write_completed") is True, step, f"process 0 to commit checkpoint {path}")
+                self._wait(lambda: (self._attributes(step) or {}).get("write_completed") is True, step,
+                           f"process 0 to commit checkpoint {path}")
         except BaseException:
             if os.path.isdir(path):
                 _touch(markers.format("failed"))
@@ -270,8 +283,10 @@ class Checkpointer:
                 future.result()
             except OSError as e:  # a full disk, a quota, a lost mount: the user can fix these
                 latest = self.latest_step()
-                kept = f"checkpoint {latest} is the newest and intact" if latest is not None else "no checkpoint was committed"
-                raise CheckpointError(f"writing a checkpoint in {self.directory} failed: {e.strerror or e}{f' ({e.filename})' if e.filename else ''}; "
+                kept = (f"checkpoint {latest} is the newest and intact" if latest is not None
+                        else "no checkpoint was committed")
+                raise CheckpointError(f"writing a checkpoint in {self.directory} failed: "
+                                      f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}; "
                                       f"{kept}; fix the cause and run the same command again to resume") from e
             except Exception as e:
                 raise RuntimeError(f"writing a checkpoint in {self.directory} failed: {e!r}") from e
@@ -317,7 +332,8 @@ class Checkpointer:
             if self.process == 0:
                 for step, problem in damaged.items():
                     warnings.warn(f"checkpoint {self.step_dir(step)} is damaged ({problem})", stacklevel=2)
-            raise CheckpointError(f"every committed checkpoint in {self.directory} is damaged (steps {sorted(damaged)}); they are left in place: "
+            raise CheckpointError(f"every committed checkpoint in {self.directory} is damaged "
+                                  f"(steps {sorted(damaged)}); they are left in place: "
                                   "inspect them, then move them away to start again from step 0")
         self._discard_newer_than(-1, damaged)
         return None
@@ -331,7 +347,8 @@ class Checkpointer:
             try:
                 with open(os.path.join(self.step_dir(step), name, "zarr.json")) as f:
                     metadata = json.load(f)
-                if tuple(metadata["shape"]) != tuple(target.shape) or metadata["attributes"]["dtype"] != jnp.dtype(target.dtype).name:
+                if (tuple(metadata["shape"]) != tuple(target.shape)
+                        or metadata["attributes"]["dtype"] != jnp.dtype(target.dtype).name):
                     return False
             except (OSError, ValueError, KeyError, TypeError):
                 return False
@@ -346,8 +363,8 @@ class Checkpointer:
                 if s in damaged:
                     aside = os.path.join(self.directory, f".damaged.{s:010d}.{uuid.uuid4().hex}")
                     os.rename(self.step_dir(s), aside)
-                    warnings.warn(f"checkpoint {self.step_dir(s)} is damaged ({damaged[s]}); falling back to the previous one; "
-                                  f"it is kept as {aside}", stacklevel=3)
+                    warnings.warn(f"checkpoint {self.step_dir(s)} is damaged ({damaged[s]}); "
+                                  f"falling back to the previous one; it is kept as {aside}", stacklevel=3)
             self._delete([s for s in newer if s not in damaged])
         _barrier(f"seqax_checkpoint_discard_{step}")
 
@@ -356,7 +373,8 @@ class Checkpointer:
         name, e.g. {"weights": model} of a State), placed with `shardings`. Read only: unlike
         restore(), it moves and deletes nothing, so it is safe beside a running training."""
         if step not in self.complete_steps():
-            raise CheckpointError(f"{self.step_dir(step)} is not a committed checkpoint; the committed steps are {self.complete_steps()}")
+            raise CheckpointError(f"{self.step_dir(step)} is not a committed checkpoint; "
+                                  f"the committed steps are {self.complete_steps()}")
         names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
         try:
             leaves = self._read(step, names, jax.tree.leaves(shapes), treedef.flatten_up_to(shardings), subset=True)
@@ -364,22 +382,25 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {e}") from e
         return jax.tree.unflatten(treedef, leaves)
 
-    def _read(self, step: int, names: list[str], targets: list, shardings: list, subset: bool = False) -> list[jax.Array]:
+    def _read(self, step: int, names: list[str], targets: list, shardings: list,
+              subset: bool = False) -> list[jax.Array]:
         path = self.step_dir(step)
         attributes = self._attributes(step)
         if attributes.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {path} has format_version {attributes.get('format_version')!r}; "
                                   f"this program reads format_version {FORMAT_VERSION} only")
         if attributes.get("step") != step:
-            raise CorruptCheckpoint(f"its step attribute is {attributes.get('step')!r}, not the {step} of its directory name")
+            raise CorruptCheckpoint(f"its step attribute is {attributes.get('step')!r}, "
+                                    f"not the {step} of its directory name")
         stored = attributes.get("arrays", [])
         missing, extra = sorted(set(names) - set(stored)), sorted(set(stored) - set(names))
         if missing or (extra and not subset):
             what = f"arrays missing {missing}, unexpected {extra}"
-            raise StateMismatch(f"checkpoint {path} does not hold this state: {what}; restore with the model it was written with or use a new "
-                                "paths.model_name", what)
+            raise StateMismatch(f"checkpoint {path} does not hold this state: {what}; "
+                                "restore with the model it was written with or use a new paths.model_name", what)
         arrays = {}
-        recorded_shapes, recorded_dtypes = attributes.get("array_shapes"), attributes.get("array_dtypes")  # absent in old checkpoints
+        # absent in old checkpoints
+        recorded_shapes, recorded_dtypes = attributes.get("array_shapes"), attributes.get("array_dtypes")
         for name, target in zip(names, targets):
             try:
                 array = zarr.open_array(os.path.join(path, name), mode="r")
@@ -388,21 +409,27 @@ class Checkpointer:
                 raise CorruptCheckpoint(f"array {name}: {e!r}") from e
             if array.dtype != stored_dtype(dtype):
                 raise CorruptCheckpoint(f"array {name} stores {array.dtype} but its dtype attribute says {dtype.name}")
-            if recorded_shapes is not None and (list(array.shape) != recorded_shapes.get(name) or dtype.name != recorded_dtypes.get(name)):
+            if recorded_shapes is not None and (list(array.shape) != recorded_shapes.get(name)
+                                                or dtype.name != recorded_dtypes.get(name)):
                 raise CorruptCheckpoint(f"array {name} is {dtype.name}{list(array.shape)} but the checkpoint recorded "
                                         f"{recorded_dtypes.get(name)}{recorded_shapes.get(name)} when it was saved")
             if tuple(array.shape) != tuple(target.shape) or dtype != target.dtype:
-                what = f"array {name} is {dtype.name}{list(array.shape)} but the state expects {jnp.dtype(target.dtype).name}{list(target.shape)}"
-                raise StateMismatch(f"checkpoint {path}: {what}; use the model config it was written with or a new paths.model_name", what)
+                what = (f"array {name} is {dtype.name}{list(array.shape)} "
+                        f"but the state expects {jnp.dtype(target.dtype).name}{list(target.shape)}")
+                raise StateMismatch(f"checkpoint {path}: {what}; "
+                                    "use the model config it was written with or a new paths.model_name", what)
             arrays[name] = array
         return self._read_regions(path, arrays, names, targets, shardings)
 
-    def _read_regions(self, path: str, arrays: dict, names: list[str], targets: list, shardings: list) -> list[jax.Array]:
+    def _read_regions(self, path: str, arrays: dict, names: list[str], targets: list,
+                      shardings: list) -> list[jax.Array]:
         """Each device's region of each array. Every chunk that overlaps a region held by this
         process is read once (with its shard's index first), then regions are assembled."""
         Z = sharded_zarr
-        regions = {name: {Z.region(i, t.shape) for i in s.addressable_devices_indices_map(t.shape).values()} for name, t, s in zip(names, targets, shardings)}
-        needed = {(name, c): None for name in names for r in regions[name] for c in Z.overlapping(r, arrays[name].chunks)}
+        regions = {name: {Z.region(i, t.shape) for i in s.addressable_devices_indices_map(t.shape).values()}
+                   for name, t, s in zip(names, targets, shardings)}
+        needed = {(name, c): None
+                  for name in names for r in regions[name] for c in Z.overlapping(r, arrays[name].chunks)}
 
         def results(jobs: dict) -> dict:
             try:
@@ -417,7 +444,8 @@ class Checkpointer:
             return None if a.shards is None else tuple(i * n // s for i, n, s in zip(c, a.chunks, a.shards))
 
         shards = {(name, shard_of(name, c)) for name, c in needed if shard_of(name, c) is not None}
-        indexes = results({(name, s): self._io.submit(Z.read_index, os.path.join(path, name), arrays[name], s) for name, s in shards})
+        indexes = results({(name, s): self._io.submit(Z.read_index, os.path.join(path, name), arrays[name], s)
+                           for name, s in shards})
         def read(name, c):
             return Z.read_chunk(os.path.join(path, name), arrays[name], c, indexes.get((name, shard_of(name, c))))
 
@@ -436,7 +464,8 @@ class Checkpointer:
             handed_out.add(key)
             return data[key] if fresh else data[key].copy()
 
-        return [jax.make_array_from_callback(t.shape, sharding, partial(block, name, t.shape)) for name, t, sharding in zip(names, targets, shardings)]
+        return [jax.make_array_from_callback(t.shape, sharding, partial(block, name, t.shape))
+                for name, t, sharding in zip(names, targets, shardings)]
 
 
 class PreemptionWatch:

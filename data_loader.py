@@ -1,8 +1,8 @@
 """Batches for training: `loader.batch(step)` is a pure function of the dataset, the loader
 settings (the `dataset:` config section) and `step`, assembled as global arrays sharded
 `P('d', 'c')` over the mesh (rows over d; with context parallelism, mesh.c > 1, each row's
-positions over c in the balanced order of `zigzag_chunks`). Nothing is saved with a checkpoint: resuming at step s, or jumping
-to it, costs one batch. docs/data-loader.md explains the scheme; in short:
+positions over c in the balanced order of `zigzag_chunks`). Nothing is saved with a checkpoint:
+resuming at step s, or jumping to it, costs one batch. docs/data-loader.md explains the scheme; in short:
 
 Rows. A split is cut into U rows of length L. Packed (`packed: true`): row u holds tokens
 [u*L, (u+1)*L) of the split, so documents continue across rows and every token is in exactly one
@@ -93,10 +93,12 @@ def _feistel(x, key, half_bits, inverse: bool):
 def feistel_permute(x, n, key, inverse: bool = False) -> np.ndarray:
     """The image of x under the keyed permutation of [0, n) (or its inverse). x, n and key are
     integers or arrays that broadcast together; every x must be in [0, n). Returns int64."""
-    x, n, key = (a.astype(np.uint64) for a in np.broadcast_arrays(np.asarray(x), np.asarray(n), np.asarray(key, dtype=np.uint64)))
+    x, n, key = (a.astype(np.uint64)
+                 for a in np.broadcast_arrays(np.asarray(x), np.asarray(n), np.asarray(key, dtype=np.uint64)))
     if np.any(x >= n):
         raise ValueError("feistel_permute: every x must be below its n")
-    half_bits = np.array([max(1, (int(v - 1).bit_length() + 1) // 2) for v in n.ravel()], dtype=np.uint64).reshape(n.shape)
+    half_bits = np.array([max(1, (int(v - 1).bit_length() + 1) // 2) for v in n.ravel()],
+                         dtype=np.uint64).reshape(n.shape)
     y = _feistel(x, key, half_bits, inverse)
     walking = y >= n
     while np.any(walking):
@@ -154,7 +156,8 @@ class RowSource:
         if split not in dataset.splits:
             raise DatasetError(f"dataset {dataset.path!r} has no split {split!r} (it has {', '.join(dataset.splits)})")
         self.where = f"{dataset.path!r} split {split!r}"
-        self.split, self.length, self.packed, self.max_token_id = dataset.splits[split], length, packed, dataset.max_token_id
+        self.split, self.length, self.packed, self.max_token_id = (
+            dataset.splits[split], length, packed, dataset.max_token_id)
         n_tokens = self.split.num_tokens
         self.rows = -(-n_tokens // length) if packed else self.split.seq_starts.shape[0] - 1
 
@@ -171,7 +174,8 @@ class RowSource:
         valid = np.minimum(np.diff(starts), L)
         offsets = starts[:-1] - starts[0]
         if np.any((flat[offsets] & 1) == 0):
-            raise DatasetError(f"dataset {self.where}: document {first} or one of the next {count - 1} lacks its start bit: seq_starts is wrong")
+            raise DatasetError(f"dataset {self.where}: document {first} or one of the next {count - 1} "
+                               "lacks its start bit: seq_starts is wrong")
         columns = np.arange(L)
         gather = np.minimum(offsets[:, None] + columns, max(len(flat) - 1, 0))
         return np.where(columns < valid[:, None], flat[gather], 0).astype(np.uint32), valid
@@ -192,7 +196,8 @@ class BlockCache:
         with self.lock:
             missing = [int(b) for b in np.unique(ids) if int(b) not in self.blocks]
             count = lambda b: min(self.block, self.source.rows - b * self.block)  # noqa: E731
-            for b, data in zip(missing, self.pool.map(lambda b: self.source.read_block(b * self.block, count(b)), missing)):
+            for b, data in zip(missing,
+                               self.pool.map(lambda b: self.source.read_block(b * self.block, count(b)), missing)):
                 self.blocks[b] = data
             parts = []
             for b in ids:
@@ -241,7 +246,8 @@ def zigzag_order(length: int, c: int) -> np.ndarray:
 
 
 class ShufflingLoader:
-    def __init__(self, settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh):
+    def __init__(self, settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int,
+                 mesh: jax.sharding.Mesh):
         least = {"seed": 0, "streams": 1, "read_block_tokens": 1, "shuffle_buffer_tokens": 1, "prefetch": 0}
         for key, value in least.items():
             if getattr(settings, key) < value:
@@ -258,23 +264,27 @@ class ShufflingLoader:
         self.shape = (batch, length)
         self.sharding = NamedSharding(mesh, PartitionSpec("d", "c"))
         self.layout = zigzag_order(length, mesh.shape["c"])
-        self.local_rows = sorted({_row_range(index, batch) for index in self.sharding.addressable_devices_indices_map(self.shape).values()})
+        self.local_rows = sorted({_row_range(index, batch)
+                                  for index in self.sharding.addressable_devices_indices_map(self.shape).values()})
         self.prefetch = settings.prefetch
         self.pending: dict[int, concurrent.futures.Future] = {}
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seqax-prefetch") if settings.prefetch else None
+        self.worker = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="seqax-prefetch")
+                       if settings.prefetch else None)
 
     def epoch(self, step: int) -> int:
         """The epoch of the first row of the batch at `step`."""
         return step * self.batch_size // self.order.rows
 
     def host_rows(self, step: int, rows: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(targets u32, is_seq_start bool, loss_mask bool), each [stop-start L], of global batch rows [start, stop) at `step`."""
+        """(targets u32, is_seq_start bool, loss_mask bool), each [stop-start L], of global batch rows
+        [start, stop) at `step`."""
         start, stop = rows
         encoded, valid = self.cache.rows(self.order.rows_of(step * self.batch_size + np.arange(start, stop)))
         mask = np.arange(self.length) < valid[:, None]
         targets = np.where(mask, encoded >> 1, 0).astype(np.uint32)
         if targets.size and int(targets.max()) > self.source.max_token_id:
-            raise DatasetError(f"dataset {self.source.where} holds token id {int(targets.max())} above its attribute max_token_id={self.source.max_token_id}")
+            raise DatasetError(f"dataset {self.source.where} holds token id {int(targets.max())} "
+                               f"above its attribute max_token_id={self.source.max_token_id}")
         return targets, ~mask | ((encoded & 1) == 1), mask
 
     def local_batch(self, step: int) -> dict[tuple[int, int], tuple[np.ndarray, ...]]:
@@ -285,7 +295,8 @@ class ShufflingLoader:
         def piece(index, k):  # a device's rows, and of each its positions in the layout's order
             return data[_row_range(index, self.batch_size)][k][:, self.layout[index[1]]]
 
-        arrays = [jax.make_array_from_callback(self.shape, self.sharding, lambda index, k=k: piece(index, k)) for k in range(3)]
+        arrays = [jax.make_array_from_callback(self.shape, self.sharding, lambda index, k=k: piece(index, k))
+                  for k in range(3)]
         return Batch(*arrays)
 
     def _prefetched(self, step: int):
@@ -312,5 +323,6 @@ def _row_range(index: tuple, batch: int) -> tuple[int, int]:
     return (rows.start or 0, batch if rows.stop is None else rows.stop)
 
 
-def make_loader(settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int, mesh: jax.sharding.Mesh) -> ShufflingLoader:
+def make_loader(settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int,
+                mesh: jax.sharding.Mesh) -> ShufflingLoader:
     return ShufflingLoader(settings, dataset, split, batch, length, mesh)

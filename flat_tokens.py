@@ -58,7 +58,8 @@ class Split:
                 try:
                     values[i * unit : min((i + 1) * unit, values.shape[0])]
                 except Exception as e:
-                    raise DatasetError(f"dataset {self.file(array, i)!r} is damaged ({type(e).__name__}: {e}); write the dataset again") from None
+                    raise DatasetError(f"dataset {self.file(array, i)!r} is damaged ({type(e).__name__}: {e}); "
+                                       "write the dataset again") from None
             raise
 
     def file(self, array: str, i: int) -> str:
@@ -72,7 +73,8 @@ class Split:
             raise DatasetError(f"dataset {path!r} is missing: chunk {i} of {array}; write the dataset again")
         if recorded is not None and os.path.getsize(path) != recorded[i]:
             size = os.path.getsize(path)
-            raise DatasetError(f"dataset {path!r} holds {size} bytes, not the {recorded[i]} written: chunk {i} of {array} is truncated or damaged; rewrite it")
+            raise DatasetError(f"dataset {path!r} holds {size} bytes, not the {recorded[i]} written: "
+                               f"chunk {i} of {array} is truncated or damaged; rewrite it")
         if recorded is not None and getattr(self, array).shards:
             self._check_shard_index(array, i, path)
 
@@ -88,7 +90,8 @@ class Split:
             index = f.read(16 * per_shard + 4)
         offsets = np.frombuffer(index[:-4], "<u8").reshape(per_shard, 2)[:inside, 0]
         if np.uint32(google_crc32c.value(index[:-4])).tobytes() != index[-4:] or np.any(offsets == UNLISTED):
-            raise DatasetError(f"dataset {path!r}: the index of shard {i} of {array} fails its CRC32C or lacks a chunk; write the dataset again")
+            raise DatasetError(f"dataset {path!r}: the index of shard {i} of {array} fails its CRC32C "
+                               "or lacks a chunk; write the dataset again")
 
     def check_files(self):
         for array in ARRAYS:
@@ -115,9 +118,11 @@ _WARNED: set[str] = set()  # datasets without checksums, warned about once
 def open_flat_tokens(path: str, check_seq_starts: bool = True) -> FlatTokens:
     """Opens and validates a flat-tokens dataset; every problem is a one-line DatasetError."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise DatasetError(f"dataset {path!r} is a file, not a dataset directory; set dataset.path to a flat-tokens zarr directory")
+        raise DatasetError(f"dataset {path!r} is a file, not a dataset directory; "
+                           "set dataset.path to a flat-tokens zarr directory")
     if not os.path.isdir(path):
-        raise DatasetError(f"dataset {path!r} does not exist; write one with tools/write_synthetic_dataset.py or tools/prepare_dataset.py")
+        raise DatasetError(f"dataset {path!r} does not exist; "
+                           "write one with tools/write_synthetic_dataset.py or tools/prepare_dataset.py")
     try:
         group = zarr.open_group(path, mode="r")
     except Exception as e:  # zarr raises several types for a non-group path
@@ -136,15 +141,18 @@ def open_flat_tokens(path: str, check_seq_starts: bool = True) -> FlatTokens:
             try:
                 present = array in sub and isinstance(sub[array], zarr.Array)
             except Exception as e:  # unreadable metadata: zarr raises JSON, value and type errors
-                raise DatasetError(f"dataset {path!r}: the metadata of {name}/{array} is unreadable ({type(e).__name__}); write the dataset again") from None
+                raise DatasetError(f"dataset {path!r}: the metadata of {name}/{array} is unreadable "
+                                   f"({type(e).__name__}); write the dataset again") from None
             if not present:
                 raise DatasetError(f"dataset {path!r}: split {name!r} has no array {array!r}")
             if sub[array].dtype != dtype or sub[array].ndim != 1:
-                raise DatasetError(f"dataset {path!r}: {name}/{array} must be 1-D {np.dtype(dtype)}, got {sub[array].ndim}-D {sub[array].dtype}")
+                raise DatasetError(f"dataset {path!r}: {name}/{array} must be 1-D {np.dtype(dtype)}, "
+                                   f"got {sub[array].ndim}-D {sub[array].dtype}")
         split = Split(sub["encoded_tokens"], sub["seq_starts"], os.path.join(path, name))
         if not all(STORED_BYTES in getattr(split, array).attrs for array in ARRAYS) and path not in _WARNED:
             _WARNED.add(path)
-            print(f"seqax: warning: dataset {path!r} has no checksums (written before they were added); write it again to check it", file=sys.stderr)
+            print(f"seqax: warning: dataset {path!r} has no checksums (written before they were added); "
+                  "write it again to check it", file=sys.stderr)
         split.check_files()
         if check_seq_starts:
             _check_seq_starts(path, name, split)
@@ -180,9 +188,10 @@ class _Appender:
     are written at once, so no stored chunk is ever rewritten."""
 
     def __init__(self, group: zarr.Group, name: str, dtype, chunk: int, shard: int | None, compression_level: int):
-        self.array = group.create_array(name, shape=(0,), dtype=dtype, chunks=(chunk,), shards=(shard,) if shard else None,
-                                        compressors=[zarr.codecs.ZstdCodec(level=compression_level), zarr.codecs.Crc32cCodec()],
-                                        config={"write_empty_chunks": True})  # every chunk is written: a missing one is damage
+        self.array = group.create_array(
+            name, shape=(0,), dtype=dtype, chunks=(chunk,), shards=(shard,) if shard else None,
+            compressors=[zarr.codecs.ZstdCodec(level=compression_level), zarr.codecs.Crc32cCodec()],
+            config={"write_empty_chunks": True})  # every chunk is written: a missing one is damage
         self.unit = shard or chunk
         self.pending: list[np.ndarray] = []
         self.pending_size = self.written = 0
@@ -218,7 +227,8 @@ def disk_errors(path: str):
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise DatasetError(f"writing dataset {path!r} failed: {e.strerror or 'no space left'}; free space there (or write elsewhere) and run again") from None
+        raise DatasetError(f"writing dataset {path!r} failed: {e.strerror or 'no space left'}; "
+                           "free space there (or write elsewhere) and run again") from None
 
 
 class FlatTokensWriter:
@@ -230,7 +240,8 @@ class FlatTokensWriter:
     exception removes the temporary directory.
     """
 
-    def __init__(self, path: str, overwrite: bool = False, chunk_tokens: int = CHUNK_TOKENS, shard_tokens: int | None = None, compression_level: int = 3):
+    def __init__(self, path: str, overwrite: bool = False, chunk_tokens: int = CHUNK_TOKENS,
+                 shard_tokens: int | None = None, compression_level: int = 3):
         if os.path.exists(path) and not overwrite:
             raise DatasetError(f"{path!r} exists; pass --overwrite to replace it")
         if chunk_tokens < 1 or (shard_tokens and shard_tokens % chunk_tokens):
@@ -244,8 +255,10 @@ class FlatTokensWriter:
                 self.group = zarr.open_group(self.tmp, mode="w")
                 for name in SPLITS:
                     sub = self.group.create_group(name)
-                    self.tokens[name] = _Appender(sub, "encoded_tokens", np.uint32, chunk_tokens, shard_tokens, compression_level)
-                    self.starts[name] = _Appender(sub, "seq_starts", np.uint64, chunk_tokens, shard_tokens, compression_level)
+                    self.tokens[name] = _Appender(sub, "encoded_tokens", np.uint32, chunk_tokens, shard_tokens,
+                                                  compression_level)
+                    self.starts[name] = _Appender(sub, "seq_starts", np.uint64, chunk_tokens, shard_tokens,
+                                                  compression_level)
                     self.starts[name].append(np.zeros(1, np.uint64))
         except BaseException:
             self.abort()

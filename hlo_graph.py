@@ -84,11 +84,13 @@ def _label_and_colour(inst: Instruction, computations: dict[str, Computation]) -
     operation = inst.opcode
     if inst.opcode == "fusion" and inst.calls and inst.calls[0] in computations:
         ops = {i.opcode for i in computations[inst.calls[0]].instructions}
-        main = sorted(ops & (MATMULS | COLLECTIVES)) or sorted(ops & {"reduce", "scatter", "gather", "dynamic-update-slice"}) or ["elementwise"]
+        main = (sorted(ops & (MATMULS | COLLECTIVES))
+                or sorted(ops & {"reduce", "scatter", "gather", "dynamic-update-slice"}) or ["elementwise"])
         operation = f"fusion: {'+'.join(main)}"
     elif inst.opcode == "while":
         operation = f"while x{inst.trip_count or '?'}"
-    colour = "lightgrey" if inst.opcode == "while" else "lightblue" if ops & MATMULS else "orange" if ops & COLLECTIVES else "white"
+    colour = ("lightgrey" if inst.opcode == "while" else "lightblue" if ops & MATMULS
+              else "orange" if ops & COLLECTIVES else "white")
     return f"{inst.name}\\n{operation}\\n{inst.shape}", colour
 
 
@@ -129,14 +131,17 @@ def to_dot(text: str, title: str = "training step") -> str:
         for inst in computation.instructions:
             if inst.opcode == "while" and inst.calls and inst.calls[0] in computations:
                 shown.append((computations[inst.calls[0]], inst.trip_count))
-    lines = [f'digraph "{title}" {{', "  rankdir=TB;", '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10];',
-             f'  label="{title}: optimized HLO (blue: matmuls, orange: collectives, dashed boxes: loop bodies)"; labelloc=t;']
+    lines = [f'digraph "{title}" {{', "  rankdir=TB;",
+             '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10];',
+             f'  label="{title}: optimized HLO (blue: matmuls, orange: collectives, dashed boxes: loop bodies)"; '
+             'labelloc=t;']
     for index, (computation, trip_count) in enumerate(shown):
         body = _computation_lines(computation, index, computations)
         if computation.is_entry:
             lines += ["  " + line for line in body]
         else:
-            lines += [f"  subgraph cluster_{index} {{", f'    label="while body {computation.name} (x{trip_count or "?"})"; style=dashed;']
+            lines += [f"  subgraph cluster_{index} {{",
+                      f'    label="while body {computation.name} (x{trip_count or "?"})"; style=dashed;']
             lines += ["    " + line for line in body] + ["  }"]
     lines.append("}")
     return "\n".join(lines) + "\n"

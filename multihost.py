@@ -47,10 +47,12 @@ def resolve(distributed: DistributedConfig) -> dict | None:
     """The keyword arguments of jax.distributed.initialize for this process, or None for a
     single-process run. Unknown values stay None, for JAX to detect."""
     if distributed.num_processes < 0 or distributed.process_id < -1:
-        raise ConfigError(f"distributed.num_processes={distributed.num_processes} and distributed.process_id={distributed.process_id} must be "
+        raise ConfigError(f"distributed.num_processes={distributed.num_processes} and "
+                          f"distributed.process_id={distributed.process_id} must be "
                           "0 / -1 (read the environment) or a count and an index")
     if distributed.heartbeat_timeout_seconds < 1 or distributed.initialization_timeout_seconds < 1:
-        raise ConfigError("distributed.heartbeat_timeout_seconds and distributed.initialization_timeout_seconds must be positive")
+        raise ConfigError("distributed.heartbeat_timeout_seconds and distributed.initialization_timeout_seconds "
+                          "must be positive")
     num = distributed.num_processes or _env_int("JAX_NUM_PROCESSES") or cluster_process_count() or 1
     if num == 1:
         return None
@@ -58,9 +60,11 @@ def resolve(distributed: DistributedConfig) -> dict | None:
     if process_id is not None and not 0 <= process_id < num:
         raise ConfigError(f"process id {process_id} is not in 0..{num - 1} for {num} processes; "
                           "set distributed.process_id (or $JAX_PROCESS_ID) to this process's index")
-    return dict(coordinator_address=distributed.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
-                num_processes=num, process_id=process_id, initialization_timeout=distributed.initialization_timeout_seconds,
-                heartbeat_timeout_seconds=distributed.heartbeat_timeout_seconds, shutdown_timeout_seconds=distributed.heartbeat_timeout_seconds)
+    return dict(
+        coordinator_address=distributed.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None,
+        num_processes=num, process_id=process_id, initialization_timeout=distributed.initialization_timeout_seconds,
+        heartbeat_timeout_seconds=distributed.heartbeat_timeout_seconds,
+        shutdown_timeout_seconds=distributed.heartbeat_timeout_seconds)
 
 
 # JAX's own timeouts are this much longer than ours, so that the watchdog (below) names a lost or
@@ -88,9 +92,10 @@ def initialize_distributed(distributed: DistributedConfig):
     try:
         jax.distributed.initialize(**runtime)
     except (ValueError, TypeError) as e:
-        raise DistributedError(f"cannot join a run of {settings['num_processes']} processes: {e.__str__().rstrip('.')}; set "
-                               "distributed.coordinator_address and distributed.process_id (or $JAX_COORDINATOR_ADDRESS and "
-                               "$JAX_PROCESS_ID), or run under SLURM, Open MPI or a TPU pod (docs/multi-host.md)") from None
+        raise DistributedError(f"cannot join a run of {settings['num_processes']} processes: "
+                               f"{e.__str__().rstrip('.')}; set distributed.coordinator_address and "
+                               "distributed.process_id (or $JAX_COORDINATOR_ADDRESS and $JAX_PROCESS_ID), "
+                               "or run under SLURM, Open MPI or a TPU pod (docs/multi-host.md)") from None
     except Exception as e:  # the runtime's errors (a timeout connecting) are its own classes
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         who = "this process" if settings["process_id"] is None else f"process {settings['process_id']}"
@@ -121,8 +126,8 @@ def exit_on_sigterm():
     file on disk survives an exit at any moment. (With several processes, JAX's preemption
     service takes over SIGTERM once the process has joined: the run then saves after its next step.)"""
     def on_sigterm(signum, frame):
-        os.write(2, f"{_sign(_watch.get('process', 0))}: error: stopped by SIGTERM before the training loop, with no step to save; "
-                    "a restart resumes from the newest checkpoint\n".encode())
+        os.write(2, f"{_sign(_watch.get('process', 0))}: error: stopped by SIGTERM before the training loop, "
+                    "with no step to save; a restart resumes from the newest checkpoint\n".encode())
         os._exit(SIGTERM_STATUS)
 
     if threading.current_thread() is threading.main_thread():
@@ -140,7 +145,8 @@ def exit_if_peer_lost(error: Exception):
     if lost is not None:
         _lost(jax.process_index(), *lost)
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    _stop(jax.process_index(), f"{first}; with {jax.process_count()} processes this usually means that another process died (see its log)")
+    _stop(jax.process_index(),
+          f"{first}; with {jax.process_count()} processes this usually means that another process died (see its log)")
 
 
 # ---- the liveness watchdog ----
@@ -154,7 +160,8 @@ def exit_if_peer_lost(error: Exception):
 # passes the news on to the others, so every process names the one that died first.
 
 LIVENESS_PORT_OFFSET = 1  # process 0's liveness server listens on the coordinator's port + this
-BEAT, BYE, LOST, ERROR = b".", b"B", b"L", b"E"  # a heartbeat; "I exit on purpose"; "L<j>\n": process j was lost; "process 0 stops with an error"
+# a heartbeat; "I exit on purpose"; "L<j>\n": process j was lost; "process 0 stops with an error"
+BEAT, BYE, LOST, ERROR = b".", b"B", b"L", b"E"
 _watch: dict = {}
 _stopping = threading.Lock()
 
@@ -190,7 +197,8 @@ def _stop(process_id: int, line: str, notice: bytes = ERROR):
 
 def _lost(process_id: int, peer: int, why: str):
     _watch.setdefault("lost", (peer, why))
-    _stop(process_id, f"lost process {peer} ({why}); stopping this process too (restart the run: it resumes from the newest checkpoint)",
+    _stop(process_id, f"lost process {peer} ({why}); stopping this process too "
+                      "(restart the run: it resumes from the newest checkpoint)",
           LOST + f"{peer}\n".encode())  # process 0 tells the others which process died first
 
 
@@ -239,7 +247,8 @@ def _serve(process_id: int, num: int, server: socket.socket, timeout: float, joi
         if time.monotonic() > deadline:
             missing = sorted(set(range(1, num)) - set(_watch["peers"]))
             _stop(process_id, f"process(es) {missing} did not join within {join_timeout:.0f} s "
-                              f"(distributed.initialization_timeout_seconds); check that they started and can reach this host")
+                              f"(distributed.initialization_timeout_seconds); "
+                              "check that they started and can reach this host")
         try:
             conn, _ = server.accept()
         except TimeoutError:
@@ -247,7 +256,8 @@ def _serve(process_id: int, num: int, server: socket.socket, timeout: float, joi
         conn.settimeout(join_timeout)
         peer = int(conn.recv(16).split(b"\n")[0])
         _watch["peers"][peer] = conn
-        threading.Thread(target=_listen, args=(0, peer, conn, timeout), daemon=True, name=f"seqax-liveness-{peer}").start()
+        threading.Thread(target=_listen, args=(0, peer, conn, timeout), daemon=True,
+                         name=f"seqax-liveness-{peer}").start()
 
 
 def _connect(process_id: int, host: str, port: int, join_timeout: float) -> socket.socket:
@@ -259,8 +269,9 @@ def _connect(process_id: int, host: str, port: int, join_timeout: float) -> sock
             return conn
         except OSError as e:
             if time.monotonic() > deadline:
-                _stop(process_id, f"could not reach process 0 at {host}:{port} within {join_timeout:.0f} s ({e}); check that it started "
-                                  "and that this port (the coordinator's + 1) is open between the hosts")
+                _stop(process_id, f"could not reach process 0 at {host}:{port} within {join_timeout:.0f} s ({e}); "
+                                  "check that it started and that this port (the coordinator's + 1) "
+                                  "is open between the hosts")
             time.sleep(0.2)
 
 
@@ -272,14 +283,16 @@ def start_watchdog(process_id: int, num: int, coordinator: str, timeout: float, 
     if process_id == 0:
         bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").rsplit(":", 1)[0] or ""
         server = socket.create_server((bind.strip("[]"), port), reuse_port=False)
-        threading.Thread(target=_serve, args=(0, num, server, timeout, join_timeout), daemon=True, name="seqax-liveness").start()
+        threading.Thread(target=_serve, args=(0, num, server, timeout, join_timeout), daemon=True,
+                         name="seqax-liveness").start()
     else:
         def connect_and_listen():
             conn = _connect(process_id, host.strip("[]"), port, join_timeout)
             _watch["peers"][0] = conn
             _listen(process_id, 0, conn, timeout)
         threading.Thread(target=connect_and_listen, daemon=True, name="seqax-liveness").start()
-    threading.Thread(target=_beat, args=(process_id, lambda: _watch["peers"].values(), period), daemon=True, name="seqax-heartbeat").start()
+    threading.Thread(target=_beat, args=(process_id, lambda: _watch["peers"].values(), period), daemon=True,
+                     name="seqax-heartbeat").start()
 
 
 def leave(error: bool = False):

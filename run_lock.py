@@ -25,13 +25,15 @@ def _take(run_dir: str) -> int:
     """This process locks `run_dir` (creating it); a held lock is a ConfigError naming its holder.
     Returns the locked file descriptor; closing it releases the lock."""
     os.makedirs(run_dir, exist_ok=True)
-    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)  # no truncation: the holder's line stays
+    # no truncation: the holder's line stays
+    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "a process starting up"
         os.close(fd)
-        raise ConfigError(f"run directory {run_dir!r} is in use by a live run ({holder}); wait for it to end, or choose another paths.model_name") from None
+        raise ConfigError(f"run directory {run_dir!r} is in use by a live run ({holder}); "
+                          "wait for it to end, or choose another paths.model_name") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
     return fd

@@ -30,7 +30,8 @@ class RunConfig:
 def load_run_config(run_dir: str) -> RunConfig:
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist; --run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
+        raise ConfigError(f"{path} does not exist; "
+                          "--run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
     cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     try:
         dataset_path, seq_len = cfg["dataset"]["path"], cfg["training"]["tokens"]["len"]
@@ -40,7 +41,8 @@ def load_run_config(run_dir: str) -> RunConfig:
     # Runs trained before model.attention_block existed: sampling attends over its KV cache
     # without blocks, and one block of the training length is the attention they were trained with.
     model = {"attention_block": seq_len, **model} if isinstance(model, dict) else model
-    model, checkpoints = config_from_dict(ModelConfig, model, "model."), config_from_dict(CheckpointConfig, checkpoints, "checkpoints.")
+    model, checkpoints = (config_from_dict(ModelConfig, model, "model."),
+                          config_from_dict(CheckpointConfig, checkpoints, "checkpoints."))
     return RunConfig(model, checkpoints, dataset_path, seq_len, int((cfg.get("mesh") or {}).get("c", 1)))
 
 

@@ -7,7 +7,8 @@
 The run's config.yaml gives the model and the dataset, whose tokenizer encodes the prompt and
 decodes the samples. --prompt-ids gives the prompt as token ids instead (1 to the dataset's
 largest id; 0 is the begin of document), for any run: on a dataset without a text tokenizer
-(the synthetic one) the samples are printed as ids, the prompt's first. A sample is a new document: its inputs are token 0 (begin of document),
+(the synthetic one) the samples are printed as ids, the prompt's first.
+A sample is a new document: its inputs are token 0 (begin of document),
 then the prompt's tokens, then each generated token. Prefill runs the prompt through the model
 once and fills the cache; then every step feeds one token per sample and appends its keys and
 values. The model's math is train.py's own (embed_tokens, transformer_layer, output_logits);
@@ -60,7 +61,8 @@ def init_cache(h: ModelConfig, batch: int, length: int, mesh) -> KVCache:
 
 
 @typechecked
-def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
+def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"],
+                   start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
     """Runs inputs at cache positions [start, start + L): writes their keys and values into the
     cache and attends over the cache up to each position. Returns the logits of the last input."""
     B, L = inputs.shape
@@ -104,11 +106,13 @@ def choose_tokens(logits, key, index, temperature: float, top_k: int, max_token_
 
 
 @partial(jax.jit, static_argnames=("h", "temperature", "top_k", "max_token_id"), donate_argnames=("cache",))
-def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, temperature: float, top_k: int, max_token_id: int):
+def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, temperature: float, top_k: int,
+                max_token_id: int):
     """Prefill (L = prompt length + 1) or one decoding step (L = 1): (next tokens [B, 1], cache)."""
 
     @typed_shard_map
-    def on_device(w: train.Model, cache: KVCache, inputs: u32[b"B/d L"], start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
+    def on_device(w: train.Model, cache: KVCache, inputs: u32[b"B/d L"],
+                  start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
         # Sampling runs with c = 1, but the weights' annotations split M over d and c, so every
         # value is typed as varying over c: a sum over c's one device types it as the same.
         return jax.tree.map(lambda x: lax.psum(x, "c"), forward_cached(h, w, cache, inputs, start))
@@ -125,7 +129,8 @@ def cache_size(mesh, prompt_length: int, num_samples: int, max_new_tokens: int) 
 
 
 def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None, verbose: bool = False) -> np.ndarray:
+             temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None,
+             verbose: bool = False) -> np.ndarray:
     """max_new_tokens tokens [num_samples, max_new_tokens] after the prompt's ids."""
     batch, length = cache_size(mesh, len(prompt), num_samples, max_new_tokens)
     inputs = np.tile(np.array([0, *prompt], np.uint32), (batch, 1))
@@ -135,7 +140,8 @@ def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_
             shard = cache.k.sharding.shard_shape(cache.k.shape)
             print(f"KV cache: 2 x bf16{list(cache.k.shape)} (layers B S K D), per device 2 x bf16{list(shard)} = "
                   f"{2 * math.prod(shard) * 2 / 2**20:.2f} MiB", file=sys.stderr)
-        settings = dict(h=h, temperature=float(temperature), top_k=int(top_k), max_token_id=int(h.vocab - 1 if max_token_id is None else max_token_id))
+        settings = dict(h=h, temperature=float(temperature), top_k=int(top_k),
+                        max_token_id=int(h.vocab - 1 if max_token_id is None else max_token_id))
         key = jax.random.key(seed)
         tokens = jax.device_put(inputs, NamedSharding(mesh, P("d", None)))
         start, out = 0, []
@@ -153,11 +159,13 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # argv bytes that are not UTF-8 arrive as lone surrogates
-        raise ConfigError(f"--prompt is not valid UTF-8 (byte {ord(text[e.start]) - 0xDC00:#04x} at character {e.start}); pass UTF-8 text") from None
+        raise ConfigError(f"--prompt is not valid UTF-8 (byte {ord(text[e.start]) - 0xDC00:#04x} "
+                          f"at character {e.start}); pass UTF-8 text") from None
     encode = lambda t: [int(i) for i in tokenizer.encode([t])[0] if int(i) != tokenizer.eos_id]  # noqa: E731
     if tokenizer.decode(encode(text)) != text:
         bad = next(i for i in range(1, len(text) + 1) if tokenizer.decode(encode(text[:i])) != text[:i]) - 1
-        raise ConfigError(f"--prompt character {text[bad]!r} (U+{ord(text[bad]):04X}, at {bad}) cannot be encoded by the run's tokenizer; leave it out")
+        raise ConfigError(f"--prompt character {text[bad]!r} (U+{ord(text[bad]):04X}, at {bad}) cannot be encoded "
+                          "by the run's tokenizer; leave it out")
     return encode(text)
 
 
@@ -168,17 +176,20 @@ def prompt_and_tokenizer(args, run) -> tuple[list[int], object, int]:
         try:
             tokenizer = dataset_tokenizer(path)
         except TokenizerError:
-            raise TokenizerError(f"dataset {path!r} has no text tokenizer to encode --prompt; give the prompt as token ids with --prompt-ids") from None
+            raise TokenizerError(f"dataset {path!r} has no text tokenizer to encode --prompt; "
+                                 "give the prompt as token ids with --prompt-ids") from None
         return encode_prompt(tokenizer, args.prompt), tokenizer, tokenizer.vocab_size - 1
     try:
         tokenizer = dataset_tokenizer(path)
         largest, where = tokenizer.vocab_size - 1, "the dataset's tokenizer"
     except TokenizerError:  # no text tokenizer: the ids the dataset holds
         tokenizer = None
-        largest, where = min(open_flat_tokens(path, check_seq_starts=False).max_token_id, run.model.vocab - 1), f"dataset {path!r}"
+        largest, where = (min(open_flat_tokens(path, check_seq_starts=False).max_token_id, run.model.vocab - 1),
+                          f"dataset {path!r}")
     bad = [i for i in args.prompt_ids if not 1 <= i <= largest]
     if bad:
-        raise ConfigError(f"--prompt-ids {bad[0]} is outside 1..{largest}, the ids of {where} (0 is the begin of document, added before the prompt)")
+        raise ConfigError(f"--prompt-ids {bad[0]} is outside 1..{largest}, the ids of {where} "
+                          "(0 is the begin of document, added before the prompt)")
     return list(args.prompt_ids), tokenizer, largest
 
 
@@ -191,16 +202,19 @@ def check_cache_fits(h: ModelConfig, batch: int, length: int, mesh):
     need = 2 * 2 * math.prod(shape if device.platform == "cpu" else shard)  # k and v, bf16
     free = memory.free_memory(device)
     if need > free:
-        raise ConfigError(f"the KV cache of {batch} samples x {length} positions needs {need / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free "
+        raise ConfigError(f"the KV cache of {batch} samples x {length} positions needs {need / 2**30:.2f} GiB, "
+                          f"more than the {free / 2**30:.2f} GiB free "
                           f"on {device.platform}; lower --max-new-tokens (or --num-samples, or the prompt)")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run-dir", required=True, help="a run directory: config.yaml and checkpoints/")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     prompt = parser.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default="", help="text the samples continue (default: none, a document from its start)")
+    prompt.add_argument("--prompt", default="",
+                        help="text the samples continue (default: none, a document from its start)")
     prompt.add_argument("--prompt-ids", type=int, nargs="+", metavar="ID",
                         help="the prompt as token ids (any dataset; without a text tokenizer samples print as ids)")
     parser.add_argument("--max-new-tokens", type=int, default=200)
@@ -208,24 +222,28 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--dataset", help="the flat-tokens dataset whose tokenizer to use (default: the run's dataset.path)")
-    parser.add_argument("--mesh-d", type=int, help="devices over samples (with --mesh-t; default: the most t that fits)")
+    parser.add_argument("--dataset",
+                        help="the flat-tokens dataset whose tokenizer to use (default: the run's dataset.path)")
+    parser.add_argument("--mesh-d", type=int,
+                        help="devices over samples (with --mesh-t; default: the most t that fits)")
     parser.add_argument("--mesh-t", type=int, help="devices over heads, d_ff and vocabulary")
     args = parser.parse_args(argv)
     try:
         if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
-            raise ConfigError("--max-new-tokens and --num-samples must be positive, --temperature and --top-k not negative")
+            raise ConfigError("--max-new-tokens and --num-samples must be positive, "
+                              "--temperature and --top-k not negative")
         run = load_run_config(args.run_dir)
         prompt, tokenizer, max_token_id = prompt_and_tokenizer(args, run)
         mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
         check_cache_fits(run.model, *cache_size(mesh, len(prompt), args.num_samples, args.max_new_tokens), mesh)
         step, weights = load_weights(args.run_dir, run, mesh, args.step)
-        trained_c = f" (the run trained with mesh.c={run.trained_context_devices}; its weights do not depend on c)" if run.trained_context_devices > 1 else ""
+        trained_c = (f" (the run trained with mesh.c={run.trained_context_devices}; its weights do not depend on c)"
+                     if run.trained_context_devices > 1 else "")
         mesh_shown = f"mesh d={mesh.shape['d']} t={mesh.shape['t']} c=1{trained_c}"
         print(f"checkpoint {step} of {args.run_dir}, {mesh_shown}, prompt of {len(prompt)} tokens", file=sys.stderr)
         top_k = min(args.top_k, run.model.vocab)
-        tokens = generate(run.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature, top_k, args.seed,
-                          max_token_id=max_token_id, verbose=True)
+        tokens = generate(run.model, weights, mesh, prompt, args.num_samples, args.max_new_tokens, args.temperature,
+                          top_k, args.seed, max_token_id=max_token_id, verbose=True)
     except SeqaxError as e:
         print(f"seqax: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -236,7 +254,8 @@ def main(argv=None):
             continue
         if tokenizer.eos_id is not None and tokenizer.eos_id in row:
             row = row[: list(row).index(tokenizer.eos_id)]  # the document ended there
-        print((args.prompt if args.prompt_ids is None else tokenizer.decode(prompt)) + tokenizer.decode(row), flush=True)
+        print((args.prompt if args.prompt_ids is None else tokenizer.decode(prompt)) + tokenizer.decode(row),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def plan(sharding, shape: tuple) -> Layout:
     return Layout(chunks, tuple(n * c for n, c in zip(boxes.pop(), chunks)))
 
 
-def create(group: zarr.Group, name: str, shape: tuple, dtype: np.dtype, layout: Layout, compressors: list, attributes: dict) -> zarr.Array:
+def create(group: zarr.Group, name: str, shape: tuple, dtype: np.dtype, layout: Layout, compressors: list,
+           attributes: dict) -> zarr.Array:
     return group.create_array(
         name,
         shape=shape,
@@ -99,7 +100,8 @@ def is_raw(array: zarr.Array) -> bool:
             return False
         codecs = codecs[0].codecs
     codecs = [c.to_dict() for c in codecs]
-    return [c["name"] for c in codecs] == ["bytes", "crc32c"] and codecs[0].get("configuration", {}).get("endian", "little") == "little"
+    return ([c["name"] for c in codecs] == ["bytes", "crc32c"]
+            and codecs[0].get("configuration", {}).get("endian", "little") == "little")
 
 
 def file_path(array_dir: str, array: zarr.Array, coords: tuple) -> str:
@@ -141,7 +143,8 @@ def write_jobs(array_dir: str, layout: Layout, data: dict[tuple, np.ndarray], ar
         index = np.array([(k * size, size) for k in range(len(chunks))], "<u8")
         first = tuple(i * k for i, k in zip(s, per_shard))
         position = {c: int(np.ravel_multi_index(tuple(i - f for i, f in zip(c, first)), per_shard)) for c in chunks}
-        files.append([partial(_write_at, path, len(chunks) * size, index)] + [partial(_write_at, path, position[c] * size, d) for c, d in chunks.items()])
+        files.append([partial(_write_at, path, len(chunks) * size, index)]
+                     + [partial(_write_at, path, position[c] * size, d) for c, d in chunks.items()])
     return files
 
 
@@ -230,5 +233,6 @@ def assemble(r: tuple, chunk_shape: tuple, chunks: dict[tuple, np.ndarray]) -> n
     out = empty(tuple(b - a for a, b in r), next(iter(chunks.values())).dtype)
     for coords, data in chunks.items():
         bounds = [(max(a, s), min(b, e), a, s) for (a, b), (s, e) in zip(r, box(coords, chunk_shape))]
-        out[tuple(slice(lo - a, hi - a) for lo, hi, a, _ in bounds)] = data[tuple(slice(lo - s, hi - s) for lo, hi, _, s in bounds)]
+        out[tuple(slice(lo - a, hi - a) for lo, hi, a, _ in bounds)] = data[
+            tuple(slice(lo - s, hi - s) for lo, hi, _, s in bounds)]
     return out

@@ -34,7 +34,8 @@ class ByteTokenizer:
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         tail = [] if self.eos_id is None else [self.eos_id]
-        return [np.concatenate([np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32) + ID_OFFSET, np.array(tail, np.uint32)]) for t in texts]
+        return [np.concatenate([np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32) + ID_OFFSET,
+                                np.array(tail, np.uint32)]) for t in texts]
 
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64)
@@ -42,7 +43,8 @@ class ByteTokenizer:
         return (ids - ID_OFFSET).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
     def identity(self) -> dict:
-        return {"kind": self.kind, "bos_id": 0, "eos_id": self.eos_id, "id_offset": ID_OFFSET, "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "bos_id": 0, "eos_id": self.eos_id, "id_offset": ID_OFFSET,
+                "vocab_size": self.vocab_size}
 
     def spec(self) -> tuple:
         """What a worker process needs to rebuild this tokenizer."""
@@ -62,7 +64,8 @@ class JsonTokenizer:
             raise TokenizerError(f"tokenizer {source!r} has an empty vocabulary")
         largest = max(vocab.values())
         if largest + ID_OFFSET > MAX_ID:
-            raise TokenizerError(f"tokenizer {source!r} has token id {largest}; flat-tokens needs id + {ID_OFFSET} below 2^31 (at most {MAX_ID - ID_OFFSET})")
+            raise TokenizerError(f"tokenizer {source!r} has token id {largest}; "
+                                 f"flat-tokens needs id + {ID_OFFSET} below 2^31 (at most {MAX_ID - ID_OFFSET})")
         self.vocab_size = largest + 1 + ID_OFFSET
         self.eos_token, self.eos_id = eos_token, None
         if eos_token is not None:
@@ -72,15 +75,17 @@ class JsonTokenizer:
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         tail = np.array([] if self.eos_id is None else [self.eos_id], np.uint32)
-        return [np.concatenate([np.array(e.ids, np.uint32) + np.uint32(ID_OFFSET), tail]) for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        return [np.concatenate([np.array(e.ids, np.uint32) + np.uint32(ID_OFFSET), tail])
+                for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids) -> str:
         ids = [int(i) - ID_OFFSET for i in np.asarray(ids).ravel() if int(i) >= ID_OFFSET and int(i) != self.eos_id]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def identity(self) -> dict:
-        return {"kind": self.kind, "source": self.source, "sha256": hashlib.sha256(self.json_text.encode()).hexdigest(), "stored_as": "tokenizer_json",
-                "bos_id": 0, "eos_id": self.eos_id, "eos_token": self.eos_token, "id_offset": ID_OFFSET, "vocab_size": self.vocab_size}
+        return {"kind": self.kind, "source": self.source, "sha256": hashlib.sha256(self.json_text.encode()).hexdigest(),
+                "stored_as": "tokenizer_json", "bos_id": 0, "eos_id": self.eos_id, "eos_token": self.eos_token,
+                "id_offset": ID_OFFSET, "vocab_size": self.vocab_size}
 
     def spec(self) -> tuple:
         return ("tokenizers", self.json_text, self.source, self.eos_token)
@@ -94,7 +99,8 @@ def load_tokenizer(name: str, eos: bool = True, eos_token: str | None = None):
     """`bytes`, a tokenizer.json path, or a hub name (needs the network)."""
     if name == "bytes":
         if eos_token is not None:
-            raise TokenizerError("--eos-token is for a tokenizer.json; the bytes tokenizer's end of document is id 257 (turn it off with --no-eos)")
+            raise TokenizerError("--eos-token is for a tokenizer.json; "
+                                 "the bytes tokenizer's end of document is id 257 (turn it off with --no-eos)")
         return ByteTokenizer(eos)
     if os.path.exists(name):
         with open(name, encoding="utf-8") as f:
@@ -109,7 +115,8 @@ def load_tokenizer(name: str, eos: bool = True, eos_token: str | None = None):
         try:
             text = Tokenizer.from_pretrained(name).to_str()
         except Exception as e:  # the hub client raises many kinds
-            raise TokenizerError(f"tokenizer {name!r} is not a file and could not be fetched from the hub: {e}") from None
+            raise TokenizerError(f"tokenizer {name!r} is not a file and could not be fetched "
+                                 f"from the hub: {e}") from None
     try:
         return JsonTokenizer(text, name, eos_token if eos else None)
     except TokenizerError:
@@ -121,7 +128,8 @@ def load_tokenizer(name: str, eos: bool = True, eos_token: str | None = None):
 def dataset_tokenizer(path: str):
     """The tokenizer that wrote the flat-tokens dataset at `path`, for decoding."""
     if not os.path.isdir(path):
-        raise DatasetError(f"dataset {path!r} (for its tokenizer) does not exist; pass --dataset PATH of the run's flat-tokens dataset")
+        raise DatasetError(f"dataset {path!r} (for its tokenizer) does not exist; "
+                           "pass --dataset PATH of the run's flat-tokens dataset")
     group = zarr.open_group(path, mode="r")
     info = dict(group.attrs).get("tokenizer", {})
     if info.get("kind") == "bytes":

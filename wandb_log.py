@@ -36,14 +36,17 @@ class WandbLog:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("logging.wandb_project is set but wandb is not installed: .venv/bin/pip install -r requirements.txt") from None
+            raise ConfigError("logging.wandb_project is set but wandb is not installed: "
+                              ".venv/bin/pip install -r requirements.txt") from None
         try:
-            self.run = wandb.init(project=logging_cfg.wandb_project, entity=logging_cfg.wandb_entity or None, id=run_id(run_dir), resume="allow",
-                                  name=os.path.basename(os.path.normpath(run_dir)), config=config, dir=os.environ.get("WANDB_DIR") or run_dir)
+            self.run = wandb.init(project=logging_cfg.wandb_project, entity=logging_cfg.wandb_entity or None,
+                                  id=run_id(run_dir), resume="allow", name=os.path.basename(os.path.normpath(run_dir)),
+                                  config=config, dir=os.environ.get("WANDB_DIR") or run_dir)
         except Exception as e:  # wandb raises its own kinds (no API key, no network, a bad entity)
             message = " ".join(str(e).split())
-            raise ConfigError(f"W&B could not start a run for logging.wandb_project={logging_cfg.wandb_project!r}: {message}; log in "
-                              "(`wandb login`), set WANDB_MODE=offline, or set logging.wandb_project to \"\" to turn W&B off") from None
+            raise ConfigError(f"W&B could not start a run for logging.wandb_project={logging_cfg.wandb_project!r}: "
+                              f"{message}; log in (`wandb login`), set WANDB_MODE=offline, "
+                              "or set logging.wandb_project to \"\" to turn W&B off") from None
 
     def log(self, line: dict):
         """One metrics.jsonl line: {"step": int, name: value, ...}."""

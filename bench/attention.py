@@ -44,7 +44,8 @@ def blockwise(block: int):
 
     def attend(q, k, v, doc_start):
         row_position = jnp.arange(q.shape[1], dtype=jnp.uint32)
-        return jax.shard_map(lambda *a: attention.ring_attention(*a, row_position, block), mesh=mesh, in_specs=P(), out_specs=P())(q, k, v, doc_start)
+        return jax.shard_map(lambda *a: attention.ring_attention(*a, row_position, block), mesh=mesh, in_specs=P(),
+                             out_specs=P())(q, k, v, doc_start)
 
     return attend
 
@@ -53,7 +54,8 @@ def value_and_grad(attend):
     """The compiled forward + backward of attention, the gradient flowing from a fixed cotangent."""
 
     def loss(q, k, v, doc_start):
-        return jnp.sum(attend(q, k, v, doc_start).astype(jnp.float32) * jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)))
+        return jnp.sum(attend(q, k, v, doc_start).astype(jnp.float32)
+                       * jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -83,7 +85,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    print(f"device {jax.devices()[0].device_kind}; batch {args.batch}, {args.heads} query heads, {args.kv_heads} kv heads, d_head {args.d_head}")
+    print(f"device {jax.devices()[0].device_kind}; batch {args.batch}, {args.heads} query heads, "
+          f"{args.kv_heads} kv heads, d_head {args.d_head}")
     print(f"{'L':>6} {'method':>16} {'fwd+bwd ms':>11} {'vs dense':>9} {'temp MiB':>9}")
     for L in args.lengths:
         inputs = attention_inputs(args.batch, L, args.heads // args.kv_heads, args.kv_heads, args.d_head)
@@ -93,7 +96,8 @@ def main(argv=None):
             if L % block or block > L:
                 continue
             seconds, temp = measure(value_and_grad(blockwise(block)), inputs, args.repeats)
-            print(f"{L:>6} {f'blockwise {block}':>16} {seconds * 1e3:>11.1f} {dense_time / seconds:>8.2f}x {temp / 2**20:>9.1f}", flush=True)
+            print(f"{L:>6} {f'blockwise {block}':>16} {seconds * 1e3:>11.1f} {dense_time / seconds:>8.2f}x "
+                  f"{temp / 2**20:>9.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from checkpoint import Checkpointer
 from config import CheckpointConfig
 
 
-def step_times(cfg: config.Config, mesh, steps: int, directory: str | None, checkpoints: CheckpointConfig) -> tuple[list[float], list[float]]:
+def step_times(cfg: config.Config, mesh, steps: int, directory: str | None,
+               checkpoints: CheckpointConfig) -> tuple[list[float], list[float]]:
     """Wall time of each loop iteration after the first three, and of each save() call."""
     targets, starts, mask = random_batch(cfg, mesh)
     checkpointer = Checkpointer(directory, checkpoints) if directory else None
@@ -62,27 +63,32 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--compression", default="none")
-    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept: each save past the first `keep` deletes one")
+    parser.add_argument("--keep", type=int, default=2,
+                        help="checkpoints kept: each save past the first `keep` deletes one")
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("overrides", nargs="*", help="hydra overrides, e.g. model.d_model=512")
     args = parser.parse_args(argv)
     cfg = config.load_config(args.config, args.overrides + ["+paths.model_name=bench"])
     mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t)
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(cfg, mesh))))
+    state_bytes = sum(x.size * x.dtype.itemsize
+                      for x in jax.tree.leaves(jax.eval_shape(lambda: train.init_state(cfg, mesh))))
     checkpoints = CheckpointConfig(keep=args.keep, compression=args.compression, level=3, threads=8)
     plain, saving, saves = [], [], []
     for _ in range(args.rounds):
         plain += step_times(cfg, mesh, args.steps, None, checkpoints)[0]
-        times, calls = step_times(cfg, mesh, args.steps, tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir), checkpoints)
+        times, calls = step_times(cfg, mesh, args.steps, tempfile.mkdtemp(prefix="seqax-bench-", dir=args.dir),
+                                  checkpoints)
         saving, saves = saving + times, saves + calls
-    print(f"config {args.config} {' '.join(args.overrides)}: state {state_bytes / 1e6:.1f} MB, mesh d={cfg.mesh.d} t={cfg.mesh.t}, {checkpoints}")
+    print(f"config {args.config} {' '.join(args.overrides)}: state {state_bytes / 1e6:.1f} MB, "
+          f"mesh d={cfg.mesh.d} t={cfg.mesh.t}, {checkpoints}")
 
     def summary(times):
         q1, q2, q3 = np.percentile(times, [25, 50, 75]) * 1000
         return f"median {q2:.0f} ms (quartiles {q1:.0f}-{q3:.0f}, {len(times)} steps)"
 
     print(f"step time, no checkpoints:      {summary(plain)}")
-    print(f"step time, a checkpoint a step: {summary(saving)}; save() itself blocked a median {np.median(saves) * 1000:.0f} ms")
+    print(f"step time, a checkpoint a step: {summary(saving)}; "
+          f"save() itself blocked a median {np.median(saves) * 1000:.0f} ms")
 
 
 if __name__ == "__main__":

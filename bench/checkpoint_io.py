@@ -46,7 +46,8 @@ def make_state(gb: float, mesh) -> dict:
 
 
 def raw_speeds(state: dict, directory: str) -> tuple[float, float]:
-    shards = [(f"{name}.{i}", np.asarray(s.data)) for name, x in state.items() for i, s in enumerate(x.addressable_shards) if s.replica_id == 0]
+    shards = [(f"{name}.{i}", np.asarray(s.data))
+              for name, x in state.items() for i, s in enumerate(x.addressable_shards) if s.replica_id == 0]
     nbytes = sum(a.nbytes for _, a in shards)
     os.makedirs(directory)
     os.sync()  # every timed write starts with no dirty pages from the previous one
@@ -79,10 +80,12 @@ def checkpoint_speeds(state: dict, directory: str, compression: str, meshes: lis
         jax.block_until_ready(restored)
         restores.append(nbytes / (time.perf_counter() - start) / 1e9)
         del restored
-    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(checkpointer.step_dir(1)) for f in files)
+    size = sum(os.path.getsize(os.path.join(root, f))
+               for root, _, files in os.walk(checkpointer.step_dir(1)) for f in files)
     checkpointer.close()
     shutil.rmtree(directory)
-    print(f"  {compression}: {size / nbytes:.1%} of the raw size on disk; save() blocked {blocking * 1000:.0f} ms (the device-to-host copy), "
+    print(f"  {compression}: {size / nbytes:.1%} of the raw size on disk; "
+          f"save() blocked {blocking * 1000:.0f} ms (the device-to-host copy), "
           f"then wrote in the background for {(save - blocking) * 1000:.0f} ms", flush=True)
     return (nbytes / save / 1e9, nbytes / (save - blocking) / 1e9), restores
 
@@ -102,7 +105,8 @@ def main(argv=None):
     rounds = []  # per round: raw (write, read), then per compression (save, write phase), (restore 4x2, restore 8x1)
     for r in range(args.repeats + 1):  # the first round warms the page cache and is not counted
         raw = raw_speeds(state, os.path.join(work, f"raw{r}"))
-        rounds.append((raw, {c: checkpoint_speeds(state, os.path.join(work, f"{c}{r}"), c, [mesh, other]) for c in args.compression}))
+        rounds.append((raw, {c: checkpoint_speeds(state, os.path.join(work, f"{c}{r}"), c, [mesh, other])
+                             for c in args.compression}))
     shutil.rmtree(work, ignore_errors=True)
     rounds = rounds[1:]
 
@@ -111,11 +115,14 @@ def main(argv=None):
         return f"{np.median([get(r) for r in rounds]):.2f} GB/s ({np.median([get(r) / raw_of(r) for r in rounds]):.0%})"
 
     print("medians over rounds; in brackets, the fraction of raw numpy I/O measured in the same round")
-    print(f"raw numpy:  write {np.median([r[0][0] for r in rounds]):.2f} GB/s   read {np.median([r[0][1] for r in rounds]):.2f} GB/s")
+    print(f"raw numpy:  write {np.median([r[0][0] for r in rounds]):.2f} GB/s   "
+          f"read {np.median([r[0][1] for r in rounds]):.2f} GB/s")
     for c in args.compression:
         write, read = (lambda r: r[0][0]), (lambda r: r[0][1])
-        print(f"{c:5s} save {figure(lambda r, c=c: r[1][c][0][0], write)}, write phase alone {figure(lambda r, c=c: r[1][c][0][1], write)}; "
-              f"restore onto 4x2 {figure(lambda r, c=c: r[1][c][1][0], read)}, onto 8x1 {figure(lambda r, c=c: r[1][c][1][1], read)}")
+        print(f"{c:5s} save {figure(lambda r, c=c: r[1][c][0][0], write)}, "
+              f"write phase alone {figure(lambda r, c=c: r[1][c][0][1], write)}; "
+              f"restore onto 4x2 {figure(lambda r, c=c: r[1][c][1][0], read)}, "
+              f"onto 8x1 {figure(lambda r, c=c: r[1][c][1][1], read)}")
 
 
 if __name__ == "__main__":

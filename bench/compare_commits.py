@@ -120,17 +120,21 @@ def compare(args, cfg, base_module):
         base_times.append(base.step())
         new_times.append(new.step())
     ratio = float(np.median(np.array(new_times) / np.array(base_times)))
-    print(f"config {args.config} {' '.join(args.overrides)}; {jax.device_count()} x {jax.devices()[0].device_kind}, mesh d={cfg.mesh.d} t={cfg.mesh.t}")
-    print(f"step time median: base ({args.base}) {np.median(base_times) * 1e3:.0f} ms, this checkout {np.median(new_times) * 1e3:.0f} ms")
+    print(f"config {args.config} {' '.join(args.overrides)}; {jax.device_count()} x {jax.devices()[0].device_kind}, "
+          f"mesh d={cfg.mesh.d} t={cfg.mesh.t}")
+    print(f"step time median: base ({args.base}) {np.median(base_times) * 1e3:.0f} ms, "
+          f"this checkout {np.median(new_times) * 1e3:.0f} ms")
     print(f"median ratio this/base over {args.rounds} alternating rounds: {ratio:.3f}")
-    print(f"XLA temporary memory per device: base {base.temp_bytes / 2**20:.1f} MiB, this checkout {new.temp_bytes / 2**20:.1f} MiB")
+    print(f"XLA temporary memory per device: base {base.temp_bytes / 2**20:.1f} MiB, "
+          f"this checkout {new.temp_bytes / 2**20:.1f} MiB")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", required=True, help="commit (or branch, tag) whose code is the baseline")
     parser.add_argument("--config", default="local_test_synthetic")
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds, each one step of each version, after one warm-up round")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="timed rounds, each one step of each version, after one warm-up round")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for both versions, e.g. training.tokens.len=2048")
     args = parser.parse_args(argv)
     cfg = config.load_config(args.config, args.overrides + ["+paths.model_name=compare"])

@@ -31,8 +31,9 @@ MODEL = ["model.attention_block=256", "training.tokens.batch=1", "model.n_kv=8",
 
 
 def load(length: int, d: int, t: int, c: int, overrides: list[str]) -> config.Config:
-    return config.load_config("local_test_synthetic", ["+paths.model_name=context", *MODEL, f"training.tokens.len={length}",
-                                                       f"mesh.d={d}", f"mesh.t={t}", f"mesh.c={c}", *overrides])
+    return config.load_config("local_test_synthetic", ["+paths.model_name=context", *MODEL,
+                                                       f"training.tokens.len={length}", f"mesh.d={d}", f"mesh.t={t}",
+                                                       f"mesh.c={c}", *overrides])
 
 
 def memory_row(length: int, c: int, overrides: list[str]) -> dict:
@@ -42,7 +43,8 @@ def memory_row(length: int, c: int, overrides: list[str]) -> dict:
     with jax.set_mesh(mesh):
         analysis = train.compile_training_step(cfg, state, mesh).memory_analysis()
     activations = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
-    return {"c": c, "activations": activations, "temp": analysis.temp_size_in_bytes, "peak": memory.compiled_peak_bytes(analysis)}
+    return {"c": c, "activations": activations, "temp": analysis.temp_size_in_bytes,
+            "peak": memory.compiled_peak_bytes(analysis)}
 
 
 def main(argv=None):
@@ -52,15 +54,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("overrides", nargs="*", help="config overrides (after --)")
     args = parser.parse_args(argv)
-    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; local_test_synthetic with {' '.join(MODEL + args.overrides)}")
+    print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; "
+          f"local_test_synthetic with {' '.join(MODEL + args.overrides)}")
 
     if args.memory_length:
         print(f"\nMemory per device, rows of {args.memory_length}, c devices (d = t = 1):")
-        print(f"{'c':>3} {'activations (annotations)':>26} {'x c':>9} {'XLA temporaries':>16} {'x c':>9} {'XLA peak':>10}")
+        print(f"{'c':>3} {'activations (annotations)':>26} {'x c':>9} {'XLA temporaries':>16} "
+              f"{'x c':>9} {'XLA peak':>10}")
     for c in (1, 2, 4, 8) if args.memory_length else ():
         row = memory_row(args.memory_length, c, args.overrides)
-        print(f"{c:>3} {row['activations'] / MiB:>22.1f} MiB {row['activations'] * c / MiB:>9.1f} {row['temp'] / MiB:>12.1f} MiB "
-              f"{row['temp'] * c / MiB:>9.1f} {row['peak'] / MiB:>6.1f} MiB", flush=True)
+        print(f"{c:>3} {row['activations'] / MiB:>22.1f} MiB {row['activations'] * c / MiB:>9.1f} "
+              f"{row['temp'] / MiB:>12.1f} MiB {row['temp'] * c / MiB:>9.1f} {row['peak'] / MiB:>6.1f} MiB", flush=True)
 
     print(f"\nStep time on {jax.device_count()} devices, one row, median of {args.steps} steps after one warm-up:")
     print(f"{'length':>7} {'c=1 t=8':>10} {'c=8':>10} {'c=8 / c=1':>10}")

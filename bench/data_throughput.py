@@ -32,7 +32,8 @@ from flat_tokens import open_flat_tokens  # noqa: E402
 from tools import prepare_dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STDLIB = [sysconfig.get_paths()["stdlib"], "--suffixes", ".py", "--exclude", "*/site-packages/*", "*/test/*", "*/tests/*", "*/idle_test/*"]
+STDLIB = [sysconfig.get_paths()["stdlib"], "--suffixes", ".py", "--exclude", "*/site-packages/*", "*/test/*",
+          "*/tests/*", "*/idle_test/*"]
 
 
 def prepare(output: str, extra: list[str]) -> dict:
@@ -48,7 +49,8 @@ def train_bpe(path: str, vocab: int) -> float:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     start = time.perf_counter()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"], show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"], show_progress=False)
     tokenizer.train(files, trainer)
     tokenizer.save(path)
     return time.perf_counter() - start
@@ -73,8 +75,8 @@ def loader_rates(settings: DatasetConfig, batch: int, length: int, steps: int, s
     jump = time.perf_counter() - start
     fresh.close()
     plain.close()
-    print(f"loader: host rows {host:,.0f} tokens/s; with device assembly {device:,.0f} tokens/s (prefetch 0, {steps} steps of {batch}x{length}, epoch "
-          f"{plain.epoch(2 * steps)})")
+    print(f"loader: host rows {host:,.0f} tokens/s; with device assembly {device:,.0f} tokens/s "
+          f"(prefetch 0, {steps} steps of {batch}x{length}, epoch {plain.epoch(2 * steps)})")
     print(f"loader: batch(1_000_000) on a fresh loader {jump * 1e3:.1f} ms")
     if step_seconds:
         overlapped = make_loader(settings, dataset, "train", batch, length, mesh)
@@ -86,8 +88,10 @@ def loader_rates(settings: DatasetConfig, batch: int, length: int, steps: int, s
             time.sleep(step_seconds)  # the training step the prefetch overlaps with
         overlapped.close()
         need = batch * length / step_seconds
-        print(f"training step: {step_seconds:.3f} s = {need:,.0f} tokens/s consumed; the loader alone is {device / need:,.0f}x faster")
-        print(f"with prefetch {settings.prefetch} behind a {step_seconds:.3f} s step: batch() waits median {statistics.median(waits[1:]) * 1e3:.1f} ms, "
+        print(f"training step: {step_seconds:.3f} s = {need:,.0f} tokens/s consumed; "
+              f"the loader alone is {device / need:,.0f}x faster")
+        print(f"with prefetch {settings.prefetch} behind a {step_seconds:.3f} s step: "
+              f"batch() waits median {statistics.median(waits[1:]) * 1e3:.1f} ms, "
               f"max {max(waits[1:]) * 1e3:.1f} ms ({statistics.median(waits[1:]) / step_seconds:.2%} of a step)")
 
 
@@ -103,21 +107,24 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         info = prepare(os.path.join(tmp, "bytes.zarr"), [])
         tokens = info["train_tokens"] + info["validation_tokens"]
-        print(f"prepare_dataset, bytes tokenizer: {tokens:,} tokens in {info['seconds']:.2f} s = {info['tokens_per_second']:,.0f} tokens/s")
+        print(f"prepare_dataset, bytes tokenizer: {tokens:,} tokens in {info['seconds']:.2f} s = "
+              f"{info['tokens_per_second']:,.0f} tokens/s")
         seconds = train_bpe(os.path.join(tmp, "bpe.json"), args.bpe_vocab)
         info = prepare(os.path.join(tmp, "bpe.zarr"), ["--tokenizer", os.path.join(tmp, "bpe.json")])
         tokens = info["train_tokens"] + info["validation_tokens"]
-        print(f"prepare_dataset, BPE tokenizer (vocab {args.bpe_vocab}, trained in {seconds:.1f} s): {tokens:,} tokens in {info['seconds']:.2f} s = "
-              f"{info['tokens_per_second']:,.0f} tokens/s")
+        print(f"prepare_dataset, BPE tokenizer (vocab {args.bpe_vocab}, trained in {seconds:.1f} s): "
+              f"{tokens:,} tokens in {info['seconds']:.2f} s = {info['tokens_per_second']:,.0f} tokens/s")
         yaml = OmegaConf.load(os.path.join(ROOT, "configs", f"{args.config}.yaml"))
         settings = DatasetConfig(**{**OmegaConf.to_container(yaml.dataset), "path": os.path.join(tmp, "bytes.zarr")})
         step_seconds = args.step_seconds
         if step_seconds is None and os.path.exists(args.train_metrics):
             with open(args.train_metrics) as f:
-                times = [line["step_time"] for line in map(json.loads, filter(str.strip, f)) if "step_time" in line][2:]  # not eval lines
+                times = [line["step_time"] for line in map(json.loads, filter(str.strip, f))
+                         if "step_time" in line][2:]  # not eval lines
             step_seconds = statistics.median(times) if times else None
         if step_seconds is None:
-            print(f"no training step time: run `make train-text` (it writes {args.train_metrics}) or pass --step-seconds", file=sys.stderr)
+            print(f"no training step time: run `make train-text` (it writes {args.train_metrics}) "
+                  "or pass --step-seconds", file=sys.stderr)
         loader_rates(settings, yaml.training.tokens.batch, yaml.training.tokens.len, args.steps, step_seconds)
 
 

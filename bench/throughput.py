@@ -78,7 +78,8 @@ def run_child(name: str, args, timeout: float) -> Row:
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--", *args.overrides]
         timed_out = False
         with open(log_file, "w") as log:
-            child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
             try:
                 child.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -89,12 +90,15 @@ def run_child(name: str, args, timeout: float) -> Row:
                     child.wait()
         if timed_out:
             show_log_tail(name, log_file)
-            limit = f"{timeout:.0f} s" + ("" if timeout >= args.timeout else f" (all that --budget had left; --timeout is {args.timeout:.0f} s)")
-            return Row(config=name, status="timeout", note=f"no result within {limit}; its last line: {last_line(log_file)}")
+            limit = f"{timeout:.0f} s" + ("" if timeout >= args.timeout
+                                          else f" (all that --budget had left; --timeout is {args.timeout:.0f} s)")
+            return Row(config=name, status="timeout",
+                       note=f"no result within {limit}; its last line: {last_line(log_file)}")
         if not os.path.exists(row_file):  # killed from outside, e.g. by the kernel's out-of-memory killer
             show_log_tail(name, log_file)
             how = f"signal {-child.returncode}" if child.returncode < 0 else f"status {child.returncode}"
-            return Row(config=name, status="failed", note=f"the child process ended with {how} and no result; its last line: {last_line(log_file)}")
+            return Row(config=name, status="failed",
+                       note=f"the child process ended with {how} and no result; its last line: {last_line(log_file)}")
         with open(row_file) as f:
             row = Row(**json.load(f))
         if row.status == "failed":
@@ -109,18 +113,21 @@ def run_all(args) -> list[Row]:
     for name in args.config:
         left = args.budget - (time.monotonic() - started) if args.budget else args.timeout
         if left <= 0:
-            rows.append(Row(config=name, status="not run", note=f"the --budget of {args.budget:.0f} s was spent on the configs before it"))
+            rows.append(Row(config=name, status="not run",
+                            note=f"the --budget of {args.budget:.0f} s was spent on the configs before it"))
             continue
         config_started = time.monotonic()
         row = run_child(name, args, min(args.timeout, left))
         summary = f"{row.step_time_median_s:.3f} s a step" if row.status == "ok" else row.note
-        print(f"bench.throughput: {name}: {row.status}: {summary} ({time.monotonic() - config_started:.0f} s)", file=sys.stderr, flush=True)
+        print(f"bench.throughput: {name}: {row.status}: {summary} ({time.monotonic() - config_started:.0f} s)",
+              file=sys.stderr, flush=True)
         rows.append(row)
     return rows
 
 
 def format_memory(row: Row) -> str:
-    return f"{row.peak_memory_bytes / GiB:.2f} GiB ({row.peak_memory_source})" if row.peak_memory_bytes is not None else ""
+    return (f"{row.peak_memory_bytes / GiB:.2f} GiB ({row.peak_memory_source})" if row.peak_memory_bytes is not None
+            else "")
 
 
 def format_row(row: Row) -> list[str]:
@@ -128,10 +135,12 @@ def format_row(row: Row) -> list[str]:
         return [row.config, row.devices, row.mesh, row.status, "", "", "", "", row.note]
     step_time = f"{row.step_time_median_s:.3f} s ({row.step_time_min_s:.3f}-{row.step_time_max_s:.3f})"
     mfu = f"{row.mfu:.1%}" if row.mfu is not None else "n/a"
-    return [row.config, row.devices, row.mesh, f"{row.steps} after {row.warmup}", step_time, f"{row.tokens_per_second:,.0f}", mfu, format_memory(row), row.note]
+    return [row.config, row.devices, row.mesh, f"{row.steps} after {row.warmup}", step_time,
+            f"{row.tokens_per_second:,.0f}", mfu, format_memory(row), row.note]
 
 
-HEADER = ["config", "devices", "mesh", "steps", "step time, median (min-max)", "tokens/s", "MFU", "peak memory per device", "note"]
+HEADER = ["config", "devices", "mesh", "steps", "step time, median (min-max)", "tokens/s", "MFU",
+          "peak memory per device", "note"]
 
 
 def table(rows: list[Row]) -> str:
@@ -145,17 +154,21 @@ def table(rows: list[Row]) -> str:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", nargs="+", default=["local_test_synthetic"], help="config names (configs/NAME.yaml), timed in this order")
+    parser.add_argument("--config", nargs="+", default=["local_test_synthetic"],
+                        help="config names (configs/NAME.yaml), timed in this order")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per config")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds each config may take, start-up and compile included")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds each config may take, start-up and compile included")
     parser.add_argument("--budget", type=float, default=0, help="seconds all configs may take together (0: no limit)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list")
-    parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --, e.g. -- mesh.d=8 mesh.t=1")
+    parser.add_argument("overrides", nargs="*",
+                        help="hydra overrides for every config, after --, e.g. -- mesh.d=8 mesh.t=1")
     args = parser.parse_args(argv)
     for name in args.config:
         if "=" in name:
-            parser.error(f"config name {name!r} looks like an override: put hydra overrides after --, e.g. --config NAME -- {name}")
+            parser.error(f"config name {name!r} looks like an override: put hydra overrides after --, "
+                         f"e.g. --config NAME -- {name}")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     return args

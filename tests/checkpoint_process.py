@@ -48,7 +48,8 @@ def is_spec_pair(x) -> bool:
 def put(values: dict, mesh) -> dict:
     """The global arrays of `values` on `mesh`; every process supplies only its shards."""
     def one(value, spec):
-        return jax.make_array_from_callback(np.shape(value), NamedSharding(mesh, spec), lambda index: np.asarray(np.asarray(value)[index]))
+        return jax.make_array_from_callback(np.shape(value), NamedSharding(mesh, spec),
+                                            lambda index: np.asarray(np.asarray(value)[index]))
 
     return jax.tree.map(lambda v: one(*v), values, is_leaf=is_spec_pair)
 
@@ -61,7 +62,8 @@ def main():
     checkpointer = Checkpointer(directory, CheckpointConfig(keep=0, compression="none", level=0, threads=4))
     tree = put(values, jax.make_mesh((4, 2), ("d", "t"), axis_types=auto))
     by_process = [[d for d in jax.devices() if d.process_index == p] for p in range(jax.process_count())]
-    alternating = jax.sharding.Mesh(np.array([d for ds in zip(*by_process) for d in ds]).reshape(8, 1), ("d", "t"), axis_types=auto)
+    alternating = jax.sharding.Mesh(np.array([d for ds in zip(*by_process) for d in ds]).reshape(8, 1), ("d", "t"),
+                                    axis_types=auto)
     tree["interleaved"] = put({"x": values["interleaved"]}, alternating)["x"]
     checkpointer.save(3, tree)
     checkpointer.wait()

@@ -25,7 +25,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 # program is the same program: losses, reports and files do not change.
 COMPILATION_CACHE = tempfile.mkdtemp(prefix="seqax-tests-jax-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"  # also what modules compile again after jax.clear_caches()
+# also what modules compile again after jax.clear_caches()
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,10 +45,12 @@ PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.p
 
 def functions() -> dict:
     """Every function and class of our modules and of PATCHED_MODULES, by where it is reached."""
-    ours = [m for name, m in list(sys.modules.items()) if getattr(m, "__file__", None) and m.__file__.startswith(ROOT + os.sep)
+    ours = [m for name, m in list(sys.modules.items())
+            if getattr(m, "__file__", None) and m.__file__.startswith(ROOT + os.sep)
             and f"{os.sep}tests{os.sep}" not in m.__file__ and f"{os.sep}.venv{os.sep}" not in m.__file__]
     modules = ours + [sys.modules[name] for name in PATCHED_MODULES if name in sys.modules]
-    return {f"{m.__name__}.{k}": v for m in modules for k, v in list(vars(m).items()) if callable(v) or isinstance(v, type)}
+    return {f"{m.__name__}.{k}": v for m in modules for k, v in list(vars(m).items())
+            if callable(v) or isinstance(v, type)}
 
 
 def process_state() -> dict:
@@ -68,10 +71,12 @@ def changes(before: dict, after: dict) -> list[str]:
         if isinstance(value, dict):
             # A function that appears later is in a module imported meanwhile, not a change.
             keys = value.keys() if what == "functions" else value.keys() | after[what].keys()
-            changed = sorted(k for k in keys if after[what].get(k) is not value.get(k) and after[what].get(k) != value.get(k))
+            changed = sorted(k for k in keys
+                             if after[what].get(k) is not value.get(k) and after[what].get(k) != value.get(k))
             found += [f"{what}: {k} was {value.get(k)!r}, is {after[what].get(k)!r}" for k in changed]
         elif value != after[what]:
-            found.append(f"{what} was {value!r}, is {after[what]!r}" + (" (use `with jax.set_mesh(mesh):`)" if what == "mesh" else ""))
+            found.append(f"{what} was {value!r}, is {after[what]!r}"
+                         + (" (use `with jax.set_mesh(mesh):`)" if what == "mesh" else ""))
     return found
 
 
@@ -96,7 +101,8 @@ def threads_left(before: set) -> list[threading.Thread]:
     """The threads started since `before` that are still alive after a grace period."""
     deadline = time.monotonic() + THREAD_EXIT_SECONDS
     while True:
-        alive = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.name.startswith(LIBRARY_THREADS)]
+        alive = [t for t in threading.enumerate()
+                 if t not in before and t.is_alive() and not t.name.startswith(LIBRARY_THREADS)]
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.01)

@@ -27,7 +27,8 @@ def main():
     steps = [int(s) for s in sys.argv[6:]]
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=int(n), process_id=int(pid))
     mesh = jax.make_mesh((4, 1, 2), ("d", "c", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
-    h = DatasetConfig(path=path, packed=True, seed=3, streams=2, read_block_tokens=64, shuffle_buffer_tokens=1024, prefetch=1)
+    h = DatasetConfig(path=path, packed=True, seed=3, streams=2, read_block_tokens=64,
+                      shuffle_buffer_tokens=1024, prefetch=1)
     loader = make_loader(h, open_flat_tokens(path), "train", 8, 16, mesh)
     result = {}
     for step in steps:

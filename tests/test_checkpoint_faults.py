@@ -21,7 +21,8 @@ SPECS = {"w": P("d", "t"), "b": P(None, "t"), "n": P()}
 
 def state(seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    return {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": rng.normal(size=(2, 4)).astype(np.float32), "n": np.float32(seed)}
+    return {"w": rng.normal(size=(8, 4)).astype(np.float32), "b": rng.normal(size=(2, 4)).astype(np.float32),
+            "n": np.float32(seed)}
 
 
 def placed(values: dict, mesh) -> dict:
@@ -94,13 +95,15 @@ def test_a_shape_edited_with_its_record_falls_back_when_older_checkpoints_fit(tm
     checkpointer = checkpoints(tmp_path)
     edit(tmp_path / "0000000002" / "w" / "zarr.json", widen_w)
     edit(tmp_path / "0000000002" / "zarr.json", lambda m: m["attributes"]["array_shapes"].update(w=[8, 8]))
-    restored_falls_back(tmp_path, checkpointer, "w is float32[8, 8] but the state expects float32[8, 4], while checkpoint 1 fits the state")
+    restored_falls_back(tmp_path, checkpointer,
+                        "w is float32[8, 8] but the state expects float32[8, 4], while checkpoint 1 fits the state")
 
 
 def test_an_edited_array_list_falls_back_when_older_checkpoints_fit(tmp_path):
     checkpointer = checkpoints(tmp_path)
     edit(tmp_path / "0000000002" / "zarr.json", lambda m: m["attributes"].update(arrays=["b", "n"]))
-    restored_falls_back(tmp_path, checkpointer, "arrays missing ['w'], unexpected [], while checkpoint 1 fits the state")
+    restored_falls_back(tmp_path, checkpointer,
+                        "arrays missing ['w'], unexpected [], while checkpoint 1 fits the state")
 
 
 @pytest.mark.parametrize("garble", [lambda p: open(p, "w").write('{"zarr_format": 3, "node_type": "gro'), os.remove])
@@ -123,7 +126,8 @@ def test_an_interrupted_save_whose_group_metadata_is_half_written_is_deleted(tmp
 def test_another_models_checkpoints_stop_the_restore_and_stay(tmp_path):
     """Every checkpoint holds a w of another shape: the config changed, nothing is damaged."""
     checkpointer = checkpoints(tmp_path)
-    with pytest.raises(CheckpointError, match=r"array w is float32\[8, 4\] but the state expects float32\[8, 8\]; use the model config"):
+    with pytest.raises(CheckpointError, match=r"array w is float32\[8, 4\] "
+                                              r"but the state expects float32\[8, 8\]; use the model config"):
         checkpointer.restore(*targets(make_mesh(4, 2), w=(8, 8)))
     checkpointer.close()
     assert on_disk(tmp_path) == ["0000000001", "0000000002"]
@@ -133,7 +137,8 @@ def test_every_checkpoint_damaged_stops_and_renames_nothing(tmp_path):
     checkpointer = checkpoints(tmp_path)
     for step in ("0000000001", "0000000002"):
         edit(tmp_path / step / "zarr.json", set_step)
-    with pytest.warns(UserWarning) as warned, pytest.raises(CheckpointError, match=r"steps \[1, 2\]\); they are left in place"):
+    with (pytest.warns(UserWarning) as warned,
+          pytest.raises(CheckpointError, match=r"steps \[1, 2\]\); they are left in place")):
         checkpointer.restore(*targets(make_mesh(4, 2)))
     checkpointer.close()
     assert sorted(str(w.message).split()[1].rsplit("/", 1)[1] for w in warned) == ["0000000001", "0000000002"]

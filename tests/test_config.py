@@ -31,8 +31,10 @@ def test_config_loads_nested_frozen_dataclasses():
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"steps": 3, "inner": {"rate": 1.0}, "flag": True}, r"config is missing key inner.name \(set it in the YAML or with \+inner.name=...\)"),
-        ({"steps": 3, "inner": {"rate": 1.0, "name": "x", "nmae": 2}, "flag": True}, r"unknown config key inner.nmae \(known keys here: name, rate\)"),
+        ({"steps": 3, "inner": {"rate": 1.0}, "flag": True},
+         r"config is missing key inner.name \(set it in the YAML or with \+inner.name=...\)"),
+        ({"steps": 3, "inner": {"rate": 1.0, "name": "x", "nmae": 2}, "flag": True},
+         r"unknown config key inner.nmae \(known keys here: name, rate\)"),
         ({"steps": "3", "inner": {"rate": 1.0, "name": "x"}, "flag": True}, r"config key steps must be int, got '3'"),
         ({"steps": True, "inner": {"rate": 1.0, "name": "x"}, "flag": True}, r"config key steps must be int, got True"),
         ({"steps": 3, "inner": 5, "flag": True}, r"config key inner must be a mapping, got 5"),

@@ -105,7 +105,8 @@ def dataset(tmp_path_factory):
     train = [np.arange(e - n, e, dtype=np.uint32) + 1 for n, e in zip(lengths, ends)]
     assert ends[-1] % L != 0  # the last packed row is partial
     path = str(tmp_path_factory.mktemp("data") / "unique.zarr")
-    write_flat_tokens(path, {"train": train, "validation": train[:4]}, {"tokenizer": {"kind": "test"}}, chunk_tokens=256)
+    write_flat_tokens(path, {"train": train, "validation": train[:4]}, {"tokenizer": {"kind": "test"}},
+                      chunk_tokens=256)
     return open_flat_tokens(path)
 
 
@@ -115,8 +116,8 @@ def mesh():
 
 
 def loader_for(dataset, mesh, packed=True, seed=0, streams=1, prefetch=0, batch=B, length=L):
-    h = DatasetConfig(path=dataset.path, packed=packed, seed=seed, streams=streams, read_block_tokens=4 * length, shuffle_buffer_tokens=32 * length,
-                      prefetch=prefetch)
+    h = DatasetConfig(path=dataset.path, packed=packed, seed=seed, streams=streams, read_block_tokens=4 * length,
+                      shuffle_buffer_tokens=32 * length, prefetch=prefetch)
     return make_loader(h, dataset, "train", batch, length, mesh)
 
 
@@ -205,9 +206,11 @@ def test_unpacked_rows_are_documents(dataset, mesh):
 def test_jump_to_step_one_million(tmp_path, mesh):
     n = 1_000_000
     path = str(tmp_path / "million.zarr")
-    write_flat_tokens(path, {"train": [np.arange(1, n + 1, dtype=np.uint32)], "validation": [np.ones(5, np.uint32)]}, {}, chunk_tokens=1 << 16)
+    write_flat_tokens(path, {"train": [np.arange(1, n + 1, dtype=np.uint32)], "validation": [np.ones(5, np.uint32)]},
+                      {}, chunk_tokens=1 << 16)
     dataset = open_flat_tokens(path)
-    h = DatasetConfig(path=path, packed=True, seed=0, streams=2, read_block_tokens=1 << 16, shuffle_buffer_tokens=1 << 20, prefetch=0)
+    h = DatasetConfig(path=path, packed=True, seed=0, streams=2, read_block_tokens=1 << 16,
+                      shuffle_buffer_tokens=1 << 20, prefetch=0)
     loader = make_loader(h, dataset, "train", 8, 128, mesh)
     start = time.perf_counter()
     targets = np.asarray(loader.batch(1_000_000).targets)
@@ -231,7 +234,8 @@ def test_prefetch_thread_stops_on_close(dataset, mesh):
 def test_two_processes_assemble_the_same_batch(dataset, mesh, tmp_path):
     steps = [0, 5, 40]
     run_processes("loader_process.py", 2, dataset.path, str(tmp_path), *map(str, steps))
-    h = DatasetConfig(path=dataset.path, packed=True, seed=3, streams=2, read_block_tokens=64, shuffle_buffer_tokens=1024, prefetch=1)
+    h = DatasetConfig(path=dataset.path, packed=True, seed=3, streams=2, read_block_tokens=64,
+                      shuffle_buffer_tokens=1024, prefetch=1)
     single = make_loader(h, dataset, "train", 8, 16, mesh)  # the same settings as loader_process.py, in one process
     gathered = np.load(tmp_path / "batches.npz")
     for step in steps:
@@ -239,7 +243,8 @@ def test_two_processes_assemble_the_same_batch(dataset, mesh, tmp_path):
             np.testing.assert_array_equal(gathered[f"{name}_{step}"], value)
     single.close()
     rows = [set(map(tuple, np.load(tmp_path / f"rows_{i}.npy").tolist())) for i in range(2)]
-    assert rows[0].isdisjoint(rows[1]) and sorted(rows[0] | rows[1]) == [(i, i + 2) for i in range(0, 8, 2)]  # each reads only its rows
+    # each reads only its rows
+    assert rows[0].isdisjoint(rows[1]) and sorted(rows[0] | rows[1]) == [(i, i + 2) for i in range(0, 8, 2)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,8 +270,11 @@ def replace(group, name, data):
 
 
 @pytest.mark.parametrize("damage,message", [
-    (lambda g: replace(g, "train/encoded_tokens", g["train/encoded_tokens"][:].astype(np.int64)), "must be 1-D uint32"),
-    (lambda g: replace(g, "train/seq_starts", g["train/seq_starts"][:][[0, 2, 1] + list(range(3, g["train/seq_starts"].shape[0]))]), "not strictly increasing"),
+    (lambda g: replace(g, "train/encoded_tokens", g["train/encoded_tokens"][:].astype(np.int64)),
+     "must be 1-D uint32"),
+    (lambda g: replace(g, "train/seq_starts",
+                       g["train/seq_starts"][:][[0, 2, 1] + list(range(3, g["train/seq_starts"].shape[0]))]),
+     "not strictly increasing"),
     (lambda g: g.__delitem__("validation"), "has no 'validation' split"),
     (lambda g: g.attrs.update({"format": "something-else"}), "expected 'flat-tokens/1'"),
 ])

@@ -21,12 +21,13 @@ pytestmark = pytest.mark.slow  # two training runs
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "3000")
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000",
+                             "--validation-tokens", "3000")
 
 
 def overrides(d: int, t: int) -> list[str]:
-    return tiny_overrides("model.n_kv=2", "dataset.streams=1", "training.steps=6", "checkpoint_interval=2", "checkpoints.keep=0", "eval_interval=4",
-                          "eval_batches=2", f"mesh.d={d}", f"mesh.t={t}")
+    return tiny_overrides("model.n_kv=2", "dataset.streams=1", "training.steps=6", "checkpoint_interval=2",
+                          "checkpoints.keep=0", "eval_interval=4", "eval_batches=2", f"mesh.d={d}", f"mesh.t={t}")
 
 
 def train_on(dataset: str, root, d: int, t: int):
@@ -60,11 +61,13 @@ def test_eval_loss_steps_restart_mesh_and_reference(dataset, tmp_path):
     mesh = make_mesh(8, 1)
     step, weights = runs.load_weights(str(run_dir), runs.load_run_config(str(run_dir)), mesh)
     assert step == 6
-    loader = make_loader(cfg8.dataset, open_flat_tokens(dataset), "validation", cfg8.training.tokens.batch, cfg8.training.tokens.len, mesh)
+    loader = make_loader(cfg8.dataset, open_flat_tokens(dataset), "validation", cfg8.training.tokens.batch,
+                         cfg8.training.tokens.len, mesh)
     batches = [jax.device_get(vars(loader.batch(i))) for i in range(2)]
     loader.close()
     reference_cfg = reference_config(cfg8.model)
     weights = weights_to_dicts(jax.device_get(weights), cfg8.model.layers)
-    losses = [jax.jit(lambda w, b=b: reference_loss(w, reference_cfg, b["targets"], b["is_seq_start"], b["loss_mask"]))(weights) for b in batches]
+    losses = [jax.jit(lambda w, b=b: reference_loss(w, reference_cfg, b["targets"], b["is_seq_start"],
+                                                    b["loss_mask"]))(weights) for b in batches]
     expected = float(np.mean(losses))
     assert abs(again[1]["eval_loss"] - expected) <= 1e-4 * expected, (again[1]["eval_loss"], expected)

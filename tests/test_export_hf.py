@@ -16,7 +16,8 @@ from shardlib.shardtypes import make_shardings
 from tokenizer import dataset_tokenizer
 from tools import export_hf
 
-TEXT = "the quick brown fox jumps over the lazy dog. " * 20 + "pack my box with five dozen liquor jugs; sphinx of black quartz, judge my vow."
+TEXT = ("the quick brown fox jumps over the lazy dog. " * 20
+        + "pack my box with five dozen liquor jugs; sphinx of black quartz, judge my vow.")
 
 # seqax multiplies bfloat16 operands (8-bit mantissa, relative rounding 2^-9) with float32 sums;
 # transformers runs float32 throughout. Each matmul input is rounded once, so every logit is off
@@ -38,8 +39,8 @@ def exported(tmp_path_factory):
     tokenizer.save(str(root / "tokenizer.json"))
     (root / "text.txt").write_text(TEXT)
     (root / "more.txt").write_text(TEXT[::-1])
-    data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), str(root / "more.txt"), "--tokenizer", str(root / "tokenizer.json"),
-                            "--eos-token", "</s>", "--validation-documents", "1")
+    data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), str(root / "more.txt"), "--tokenizer",
+                            str(root / "tokenizer.json"), "--eos-token", "</s>", "--validation-documents", "1")
 
     cfg = tiny_config("model.n_kv=2", f"dataset.path={data}", f"paths.root_working_dir={root}")
     run_dir = root / "run"
@@ -59,7 +60,8 @@ def seqax_logits(cfg, weights, inputs: np.ndarray) -> np.ndarray:
     starts = np.zeros(inputs.shape, bool)
     starts[:, 0] = True
     with jax.set_mesh(mesh):
-        return np.asarray(forward_logits(cfg.model)(jax.device_put(weights, make_shardings(train.Model, mesh)), inputs, starts))
+        return np.asarray(forward_logits(cfg.model)(jax.device_put(weights, make_shardings(train.Model, mesh)),
+                                                    inputs, starts))
 
 
 def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from config import TokenizerError
 from tools.export_hf import BOS_TOKEN, PAD_TOKEN, exported_tokenizer_json, pad_id, shifted_tokenizer_json
 
-SENTENCES = ["the quick brown fox jumps over the lazy dog", "hello world, the dog sleeps", "a fox and a dog meet at noon"]
+SENTENCES = ["the quick brown fox jumps over the lazy dog", "hello world, the dog sleeps",
+             "a fox and a dog meet at noon"]
 SPECIALS = ["[UNK]", "[PAD]", "[CLS]", "[SEP]", "<s>", "</s>", "<|begin_of_text|>"]
 TEXTS = [("the lazy fox", None), ("hello dog", "the quick world")]  # single and pair inputs
 
@@ -19,7 +20,8 @@ def byte_level_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return tok
 
 
@@ -47,7 +49,8 @@ def with_post_processor(tok: Tokenizer, make) -> Tokenizer:
 # never 0 here except [UNK]: a shift that is missed shows as a wrong id, not as a coincidence.
 KINDS = [
     ("template", word_level, lambda i: processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", i("[CLS]")), ("[SEP]", i("[SEP]"))])),
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", i("[CLS]")), ("[SEP]", i("[SEP]"))])),
     ("bert", word_piece, lambda i: processors.BertProcessing(("[SEP]", i("[SEP]")), ("[CLS]", i("[CLS]")))),
     ("roberta", byte_level_bpe, lambda i: processors.RobertaProcessing(("</s>", i("</s>")), ("<s>", i("<s>")))),
     ("byte_level", byte_level_bpe, lambda i: processors.ByteLevel(trim_offsets=True)),
@@ -69,12 +72,15 @@ def test_shifted_tokenizer_encodes_to_original_ids_plus_one_and_decodes_alike(na
         want = original.encode(text, pair)
         got = shifted.encode(text, pair)
         if name not in ("none", "byte_level"):
-            assert len(want.ids) > len(original.encode(text, pair, add_special_tokens=False).ids), "the post-processor adds special tokens"
+            assert len(want.ids) > len(original.encode(text, pair, add_special_tokens=False).ids), (
+                "the post-processor adds special tokens")
         assert got.ids == [i + 1 for i in want.ids]
         assert got.tokens == want.tokens and got.type_ids == want.type_ids
-        assert shifted.encode(text, pair, add_special_tokens=False).ids == [i + 1 for i in original.encode(text, pair, add_special_tokens=False).ids]
+        assert shifted.encode(text, pair, add_special_tokens=False).ids == [
+            i + 1 for i in original.encode(text, pair, add_special_tokens=False).ids]
         for skip in (False, True):
-            assert shifted.decode(got.ids, skip_special_tokens=skip) == original.decode(want.ids, skip_special_tokens=skip)
+            assert (shifted.decode(got.ids, skip_special_tokens=skip)
+                    == original.decode(want.ids, skip_special_tokens=skip))
 
 
 def test_padding_id_is_shifted():
@@ -82,12 +88,14 @@ def test_padding_id_is_shifted():
     original.enable_padding(pad_id=original.token_to_id("[PAD]"), pad_token="[PAD]")
     shifted = Tokenizer.from_str(json.dumps(shifted_tokenizer_json(original.to_str())))
     want = [e.ids for e in original.encode_batch(["the dog", "the quick brown fox"])]
-    assert [e.ids for e in shifted.encode_batch(["the dog", "the quick brown fox"])] == [[i + 1 for i in ids] for ids in want]
+    assert ([e.ids for e in shifted.encode_batch(["the dog", "the quick brown fox"])]
+            == [[i + 1 for i in ids] for ids in want])
 
 
 def test_a_post_processor_it_cannot_shift_is_refused_in_one_line():
     tok = json.loads(word_level().to_str())
-    tok["post_processor"] = {"type": "Sequence", "processors": [{"type": "ByteLevel"}, {"type": "FancyProcessing", "ids": [3]}]}
+    tok["post_processor"] = {"type": "Sequence",
+                             "processors": [{"type": "ByteLevel"}, {"type": "FancyProcessing", "ids": [3]}]}
     with pytest.raises(TokenizerError, match="FancyProcessing") as error:
         shifted_tokenizer_json(json.dumps(tok))
     assert "\n" not in str(error.value)
@@ -106,7 +114,8 @@ def test_exported_tokenizer_adds_begin_of_document_and_nothing_else(name, base, 
         got = exported.encode(text)
         assert got.ids == [0, *(i + 1 for i in plain.ids)]
         assert got.tokens[1:] == plain.tokens and got.offsets[1:] == plain.offsets
-        assert exported.decode(got.ids, skip_special_tokens=True) == original.decode(plain.ids, skip_special_tokens=True)
+        assert (exported.decode(got.ids, skip_special_tokens=True)
+                == original.decode(plain.ids, skip_special_tokens=True))
     assert exported.token_to_id(PAD_TOKEN) == data_vocab
 
 

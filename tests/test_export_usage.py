@@ -39,8 +39,9 @@ def llama3_like_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(PARAGRAPHS, trainers.BpeTrainer(vocab_size=170, special_tokens=["[UNK]", "<s>", "</s>"],
                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
-                                              processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])])
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])])
     return tok
 
 
@@ -50,14 +51,15 @@ def exported(tmp_path_factory):
     tok = llama3_like_tokenizer()
     tok.save(str(root / "tokenizer.json"))
     (root / "text.txt").write_text("\n\n".join(PARAGRAPHS))
-    data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), "--tokenizer", str(root / "tokenizer.json"), "--eos-token", "</s>",
-                            "--txt-documents", "paragraph", "--validation-documents", "2")
+    data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), "--tokenizer", str(root / "tokenizer.json"),
+                            "--eos-token", "</s>", "--txt-documents", "paragraph", "--validation-documents", "2")
     vocab = dataset_tokenizer(data).vocab_size
     assert vocab < 512, vocab  # the model has spare rows above the data's ids: one becomes <seqax_pad>
     result = run_train(["--config-name=local_test_text", *run_overrides(root, data, "run"),
-        "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=512", "model.attention_block=32", "training.tokens.batch=8",
-        "training.tokens.len=64", "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0",
-        "mesh.d=4", "mesh.t=2", "dataset.streams=1"], graph=False)  # the export reads the checkpoint, not training_step.svg (fixtures.child_env)
+        "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=512", "model.attention_block=32",
+        "training.tokens.batch=8", "training.tokens.len=64", "training.steps=40", "training.warmup_steps=4",
+        "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", "dataset.streams=1"],
+        graph=False)  # the export reads the checkpoint, not training_step.svg (fixtures.child_env)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = str(root / "run")
     export_hf.main(["--run-dir", run_dir, "--output", str(root / "hf")])
@@ -77,7 +79,8 @@ def test_tokenizer_call_gives_begin_of_document_and_the_dataset_ids(exported):
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     assert config["bos_token_id"] == tok.bos_token_id == 0
-    assert tok.pad_token == export_hf.PAD_TOKEN and config["pad_token_id"] == tok.pad_token_id == dataset_tokenizer(data).vocab_size
+    assert (tok.pad_token == export_hf.PAD_TOKEN
+            and config["pad_token_id"] == tok.pad_token_id == dataset_tokenizer(data).vocab_size)
     for text in PROMPTS:
         encoded = tok(text)
         assert encoded["input_ids"] == [0, *seqax_ids(data, text)]
@@ -108,7 +111,8 @@ def test_logits_and_greedy_generate_match_seqax(exported):
         ids = inputs["input_ids"][0].tolist()
         with torch.no_grad():
             theirs = model(**inputs).logits[0].numpy()
-        rows = np.zeros((4, 64), np.uint32)  # 4 rows for d=4, whole attention blocks; padding after the text leaves its logits alone
+        # 4 rows for d=4, whole attention blocks; padding after the text leaves its logits alone
+        rows = np.zeros((4, 64), np.uint32)
         rows[:, : len(ids)] = ids
         starts = np.zeros(rows.shape, bool)
         starts[:, 0] = True
@@ -120,7 +124,8 @@ def test_logits_and_greedy_generate_match_seqax(exported):
         assert np.all(diff <= ATOL + RTOL * np.abs(ours)), diff.max()
 
         generated = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(ids) :].tolist()
-        expected = sample.generate(run.model, weights, mesh, ids[1:], num_samples=1, max_new_tokens=NEW_TOKENS, max_token_id=largest)[0].tolist()
+        expected = sample.generate(run.model, weights, mesh, ids[1:], num_samples=1, max_new_tokens=NEW_TOKENS,
+                                   max_token_id=largest)[0].tolist()
         eos = dataset_tokenizer(data).eos_id
         if eos in expected:  # generate stops at the end of the document; sample.py runs on
             expected = expected[: expected.index(eos) + 1]

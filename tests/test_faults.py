@@ -34,13 +34,14 @@ def documents(n: int, seed: int) -> list[np.ndarray]:
 def dataset(tmp_path, request) -> str:
     """A dataset of 4+ files per token array; a file per chunk, or one per two chunks."""
     path = str(tmp_path / "data.zarr")
-    write_flat_tokens(path, {"train": documents(120, 0), "validation": documents(10, 1)}, {"tokenizer": {"kind": "test"}},
-                      chunk_tokens=CHUNK, shard_tokens=request.param)
+    write_flat_tokens(path, {"train": documents(120, 0), "validation": documents(10, 1)},
+                      {"tokenizer": {"kind": "test"}}, chunk_tokens=CHUNK, shard_tokens=request.param)
     return path
 
 
 def loader(path: str, prefetch: int = 2):
-    h = DatasetConfig(path=path, packed=True, seed=0, streams=1, read_block_tokens=CHUNK, shuffle_buffer_tokens=4 * CHUNK, prefetch=prefetch)
+    h = DatasetConfig(path=path, packed=True, seed=0, streams=1, read_block_tokens=CHUNK,
+                      shuffle_buffer_tokens=4 * CHUNK, prefetch=prefetch)
     return make_loader(h, open_flat_tokens(path), "train", 8, 32, make_mesh(8, 1))
 
 
@@ -51,12 +52,14 @@ def loader(path: str, prefetch: int = 2):
 def test_every_file_has_its_recorded_size(dataset):
     split = open_flat_tokens(dataset).splits["train"]
     recorded = split.encoded_tokens.attrs[flat_tokens.STORED_BYTES]
-    assert len(recorded) >= 4 and [os.path.getsize(split.file("encoded_tokens", i)) for i in range(len(recorded))] == recorded
+    assert len(recorded) >= 4 and [os.path.getsize(split.file("encoded_tokens", i))
+                                   for i in range(len(recorded))] == recorded
 
 
 @pytest.mark.parametrize("damage,message", [
     (lambda f: os.remove(f), "is missing: chunk 2 of encoded_tokens"),
-    (lambda f: os.truncate(f, os.path.getsize(f) - 3), r"bytes, not the \d+ written: chunk 2 of encoded_tokens is truncated or damaged"),
+    (lambda f: os.truncate(f, os.path.getsize(f) - 3),
+     r"bytes, not the \d+ written: chunk 2 of encoded_tokens is truncated or damaged"),
 ])
 def test_missing_or_truncated_chunk_stops_at_open(dataset, damage, message):
     path = os.path.join(dataset, "train", "encoded_tokens", "c", "2")
@@ -70,14 +73,16 @@ def test_missing_or_truncated_chunk_stops_at_open(dataset, damage, message):
 
 def test_a_chunk_unlisted_from_its_shard_index_stops_at_open(tmp_path):
     path = str(tmp_path / "data.zarr")
-    write_flat_tokens(path, {"train": documents(120, 0), "validation": documents(10, 1)}, {}, chunk_tokens=CHUNK, shard_tokens=2 * CHUNK)
+    write_flat_tokens(path, {"train": documents(120, 0), "validation": documents(10, 1)}, {},
+                      chunk_tokens=CHUNK, shard_tokens=2 * CHUNK)
     shard = os.path.join(path, "train", "encoded_tokens", "c", "1")
     data = bytearray(open(shard, "rb").read())
     index = np.frombuffer(bytes(data[-36:-4]), "<u8").copy()  # 2 chunks x (offset, length), then the CRC32C
     index[:2] = 2**64 - 1  # a valid index that says chunk 0 was never written: zarr would read zeros
     data[-36:] = index.tobytes() + np.uint32(google_crc32c.value(index.tobytes())).tobytes()
     open(shard, "wb").write(bytes(data))
-    with pytest.raises(DatasetError, match=r"c/1': the index of shard 1 of encoded_tokens fails its CRC32C or lacks a chunk"):
+    with pytest.raises(DatasetError, match=r"c/1': the index of shard 1 of encoded_tokens "
+                                           r"fails its CRC32C or lacks a chunk"):
         open_flat_tokens(path)
 
 
@@ -90,7 +95,8 @@ def test_a_flipped_byte_stops_the_prefetching_loader_with_the_chunk_named(datase
         f.write(bytes([byte[0] ^ 0x10]))
     source = loader(dataset)
     try:
-        with pytest.raises(DatasetError, match=r"data.zarr/train/encoded_tokens/c/1' is damaged \(ValueError: Stored and computed checksum"):
+        with pytest.raises(DatasetError, match=r"data.zarr/train/encoded_tokens/c/1' is damaged "
+                                               r"\(ValueError: Stored and computed checksum"):
             for step in range(source.order.rows // 8 + 1):
                 source.batch(step)
     finally:
@@ -120,7 +126,8 @@ def test_a_dataset_without_checksums_is_read_with_one_warning(tmp_path, capsys):
     for _ in range(2):
         dataset = open_flat_tokens(path)
     assert capsys.readouterr().err.count("has no checksums") == 1
-    np.testing.assert_array_equal(dataset.splits["train"].read("encoded_tokens", 0, 10), flat_tokens.encode_documents(documents(40, 0))[0][:10])
+    np.testing.assert_array_equal(dataset.splits["train"].read("encoded_tokens", 0, 10),
+                                  flat_tokens.encode_documents(documents(40, 0))[0][:10])
 
 
 def test_garbage_array_metadata_is_one_line(dataset):
@@ -144,22 +151,27 @@ def test_a_full_disk_while_writing_is_one_line_and_keeps_the_old_dataset(dataset
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(zarr.Array, "__setitem__", full)
-    with pytest.raises(DatasetError, match=r"writing dataset '.*data.zarr.tmp-\w+' failed: No space left on device; free space"):
-        write_flat_tokens(dataset, {"train": documents(80, 2), "validation": documents(10, 3)}, {}, overwrite=True, chunk_tokens=CHUNK)
+    with pytest.raises(DatasetError, match=r"writing dataset '.*data.zarr.tmp-\w+' failed: "
+                                           r"No space left on device; free space"):
+        write_flat_tokens(dataset, {"train": documents(80, 2), "validation": documents(10, 3)}, {}, overwrite=True,
+                          chunk_tokens=CHUNK)
     assert snapshot(os.path.dirname(dataset)) == before  # the old dataset whole, no temporary left
 
 
 @pytest.mark.slow
 def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(tmp_path):
     data = str(tmp_path / "synthetic.zarr")
-    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", data], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "tools.write_synthetic_dataset", "--output", data], cwd=ROOT, check=True,
+                   capture_output=True)
     chunk = os.path.join(data, "train", "encoded_tokens", "c", "2")
     os.remove(chunk)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    result = subprocess.run([sys.executable, "-m", "train", "--config-name=local_test_synthetic", "+paths.model_name=run", f"paths.root_working_dir={tmp_path}",
-                             f"dataset.path={data}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "train", "--config-name=local_test_synthetic",
+                             "+paths.model_name=run", f"paths.root_working_dir={tmp_path}", f"dataset.path={data}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.splitlines() == [f"seqax: error: dataset {chunk!r} is missing: chunk 2 of encoded_tokens; write the dataset again"]
+    assert result.stderr.splitlines() == [
+        f"seqax: error: dataset {chunk!r} is missing: chunk 2 of encoded_tokens; write the dataset again"]
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -182,7 +194,8 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("paths.model_name=a/b", r"paths.model_name='a/b' must be a plain directory name"),
     ("paths.model_name=..", r"paths.model_name='..' must be a plain directory name"),
     ("checkpoints.compression=zstd checkpoints.level=0", r"checkpoints.level=0 is out of range for zstd; choose 1..22"),
-    ("checkpoints.compression=blosc checkpoints.level=10", r"checkpoints.level=10 is out of range for blosc; choose 0..9"),
+    ("checkpoints.compression=blosc checkpoints.level=10",
+     r"checkpoints.level=10 is out of range for blosc; choose 0..9"),
 ])
 def test_bad_values_are_one_line_with_the_remedy(override, message):
     overrides = override.split(" ")
@@ -210,10 +223,12 @@ def test_prepare_dataset_refuses_an_output_that_is_or_holds_an_input(tmp_path, c
     output = tmp_path / "out" if where == "inside" else text
     before = snapshot(tmp_path)
     with pytest.raises(SystemExit) as exit:
-        prepare_dataset.main([str(text), "--output", str(output), "--overwrite", "--workers", "1", "--quiet", "--txt-documents", "paragraph"])
+        prepare_dataset.main([str(text), "--output", str(output), "--overwrite", "--workers", "1", "--quiet",
+                              "--txt-documents", "paragraph"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}'; writing it would delete the input; choose another --output"]
+        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}'; "
+        "writing it would delete the input; choose another --output"]
     assert snapshot(tmp_path) == before
 
 
@@ -227,6 +242,7 @@ def test_a_step_that_cannot_fit_the_free_memory_is_one_line(monkeypatch):
         compiled = train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh)
     memory.check_step_fits(compiled, mesh)  # fits the real machine
     monkeypatch.setattr(memory, "free_memory", lambda device: 2**20)
-    with pytest.raises(ConfigError, match=r"the training step needs [\d.]+ GiB per device beyond its state .* x 8 device\(s\) sharing memory, "
-                                          r"more than the 0.00 GiB free on cpu; lower training.tokens.batch or training.tokens.len"):
+    with pytest.raises(ConfigError, match=r"the training step needs [\d.]+ GiB per device beyond its state "
+                                          r".* x 8 device\(s\) sharing memory, more than the 0.00 GiB free on cpu; "
+                                          r"lower training.tokens.batch or training.tokens.len"):
         memory.check_step_fits(compiled, mesh)

@@ -21,7 +21,8 @@ from multihost import resolve
 
 # TINY with 2 kv heads (so that t=2 splits them) and a warmup longer than every run here, so the
 # learning rate of a step does not depend on training.steps and runs of 3 and 4 steps agree.
-OVERRIDES = ["model.n_kv=2", "training.warmup_steps=10", "eval_batches=0", "checkpoint_interval=3", "checkpoints.keep=0"]
+OVERRIDES = ["model.n_kv=2", "training.warmup_steps=10", "eval_batches=0", "checkpoint_interval=3",
+             "checkpoints.keep=0"]
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +44,16 @@ def one_process(cache, devices, args) -> None:
 
 
 def launch(cache, processes, devices, args, **kwargs) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tools.launch_local", "--processes", str(processes), "--devices-per-process", str(devices), "--", *args]
-    return subprocess.Popen(command, cwd=ROOT, env=child_env(None, cache, graph=False), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    command = [sys.executable, "-m", "tools.launch_local", "--processes", str(processes), "--devices-per-process",
+               str(devices), "--", *args]
+    return subprocess.Popen(command, cwd=ROOT, env=child_env(None, cache, graph=False), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
 def losses(run_dir) -> dict[int, float]:
     """The loss of each step, from its last line (a resumed run rewrites no earlier step here)."""
-    return {line["step"]: line["loss"] for line in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in line}
+    return {line["step"]: line["loss"] for line in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
+            if "loss" in line}
 
 
 def close(a: float, b: float, rtol: float) -> bool:
@@ -71,7 +75,8 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
     two = losses(tmp_path / "two")
     assert sorted(two) == [0, 1, 2] and all(close(two[s], expected[s], 1e-6) for s in two), (two, expected)
     assert "[0] step      2/3" in output and "[1] step" not in output  # only process 0 logs steps
-    assert sorted(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c")) == ["0"]  # embed is V/t M/d: ...
+    # embed is V/t M/d: ...
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c")) == ["0"]
     # ... a chunk file per process along d (rows of the 4x2 mesh: 2 per process).
     assert len(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c" / "0")) == 2
 
@@ -81,7 +86,8 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
 
     # The 1-process checkpoint 3 in 2 processes.
     os.makedirs(tmp_path / "from_one" / "checkpoints")
-    shutil.copytree(tmp_path / "one" / "checkpoints" / "0000000003", tmp_path / "from_one" / "checkpoints" / "0000000003")
+    shutil.copytree(tmp_path / "one" / "checkpoints" / "0000000003",
+                    tmp_path / "from_one" / "checkpoints" / "0000000003")
     launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "from_one", 4))
     output = launched.communicate(timeout=300)[0]
     assert launched.returncode == 0, output[-3000:]
@@ -91,7 +97,8 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
 @pytest.mark.slow
 def test_a_killed_process_stops_the_launch(setup, tmp_path):
     dataset, cache = setup
-    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "killed", 1000, "checkpoint_interval=0"), start_new_session=True)
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "killed", 1000, "checkpoint_interval=0"),
+                      start_new_session=True)
     lines, stepped = [], threading.Event()
 
     def read():
@@ -104,7 +111,8 @@ def test_a_killed_process_stops_the_launch(setup, tmp_path):
     reader.start()
     try:
         assert stepped.wait(timeout=240), "".join(lines[-50:])
-        pids = {int(l.split()[2]): int(l.split()[-1]) for l in lines if l.startswith("launch_local: process ") and " has pid " in l}
+        pids = {int(l.split()[2]): int(l.split()[-1]) for l in lines
+                if l.startswith("launch_local: process ") and " has pid " in l}
         port = int(next(l for l in lines if "coordinator 127.0.0.1:" in l).rsplit(":", 1)[1])
         os.kill(pids[1], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -120,25 +128,27 @@ def test_a_killed_process_stops_the_launch(setup, tmp_path):
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    with socket.socket() as s:  # nothing listens on the coordinator's port (connections closed by the kill may linger in TIME_WAIT)
+    # nothing listens on the coordinator's port (connections closed by the kill may linger in TIME_WAIT)
+    with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
         s.listen()
 
 
 def settings(**changes):
-    return DistributedConfig(**{"coordinator_address": "", "num_processes": 0, "process_id": -1, "initialization_timeout_seconds": 300,
-                                "heartbeat_timeout_seconds": 30, **changes})
+    return DistributedConfig(**{"coordinator_address": "", "num_processes": 0, "process_id": -1,
+                                "initialization_timeout_seconds": 300, "heartbeat_timeout_seconds": 30, **changes})
 
 
 def test_settings_come_from_the_config_the_environment_or_the_cluster(monkeypatch):
-    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES",
-                 "TPU_PROCESS_ADDRESSES"):
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID",
+                 "OMPI_MCA_orte_hnp_uri", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"):
         monkeypatch.delenv(name, raising=False)
     assert resolve(settings()) is None  # nothing says otherwise: one process
     assert resolve(settings(num_processes=1, process_id=0)) is None
     explicit = resolve(settings(coordinator_address="10.0.0.1:1234", num_processes=4, process_id=2))
-    assert (explicit["coordinator_address"], explicit["num_processes"], explicit["process_id"]) == ("10.0.0.1:1234", 4, 2)
+    assert (explicit["coordinator_address"], explicit["num_processes"],
+            explicit["process_id"]) == ("10.0.0.1:1234", 4, 2)
     assert explicit["heartbeat_timeout_seconds"] == 30
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "head:99")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "3")
@@ -146,7 +156,8 @@ def test_settings_come_from_the_config_the_environment_or_the_cluster(monkeypatc
     assert [resolve(settings())[k] for k in ("coordinator_address", "num_processes", "process_id")] == ["head:99", 3, 1]
     for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(name)
-    for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}.items():
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS": "2",
+                        "SLURM_PROCID": "1"}.items():
         monkeypatch.setenv(name, value)
     detected = resolve(settings())  # the count from SLURM; address and id left to JAX's detection
     assert (detected["coordinator_address"], detected["num_processes"], detected["process_id"]) == (None, 2, None)

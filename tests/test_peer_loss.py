@@ -17,28 +17,33 @@ from fixtures import TINY, synthetic_dataset
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEARTBEAT_S = 10
 ARGS = [a for a in TINY if not a.startswith(("model.n_kv", "training.steps", "+paths.model_name"))] + [
-    "model.n_kv=2", "eval_batches=0", "checkpoint_interval=0", "training.steps=100000", f"distributed.heartbeat_timeout_seconds={HEARTBEAT_S}"]
+    "model.n_kv=2", "eval_batches=0", "checkpoint_interval=0", "training.steps=100000",
+    f"distributed.heartbeat_timeout_seconds={HEARTBEAT_S}"]
 NATIVE = ("Check failure stack trace", "Terminating process because", "Fatal Python error", "Traceback")
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    return synthetic_dataset(tmp_path_factory.mktemp("peer_loss") / "data.zarr", "--train-tokens", "100000", "--validation-tokens", "10000")
+    return synthetic_dataset(tmp_path_factory.mktemp("peer_loss") / "data.zarr", "--train-tokens", "100000",
+                             "--validation-tokens", "10000")
 
 
 def environment(tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax_cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path.parent / "jax_cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 class Launch:
     """tools.launch_local on 2 x 4 devices, its output read line by line."""
 
     def __init__(self, tmp_path, dataset, *args):
-        command = [sys.executable, "-m", "tools.launch_local", "--processes", "2", "--devices-per-process", "4", "--grace-seconds", "60", "--",
-                   "--config-name=local_test_synthetic", "+paths.model_name=run", f"paths.root_working_dir={tmp_path}", f"dataset.path={dataset}",
-                   *ARGS, *args]
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=environment(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        command = [sys.executable, "-m", "tools.launch_local", "--processes", "2", "--devices-per-process", "4",
+                   "--grace-seconds", "60", "--",
+                   "--config-name=local_test_synthetic", "+paths.model_name=run", f"paths.root_working_dir={tmp_path}",
+                   f"dataset.path={dataset}", *ARGS, *args]
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=environment(tmp_path), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
         self.lines, self.stepped = [], threading.Event()
         self.reader = threading.Thread(target=self.read, daemon=True)
         self.reader.start()
@@ -51,7 +56,8 @@ class Launch:
         self.stepped.set()  # the launcher has exited: stop waiting
 
     def pids(self) -> dict[int, int]:
-        return {int(l.split()[2]): int(l.split()[-1]) for l in self.lines if l.startswith("launch_local: process ") and " has pid " in l}
+        return {int(l.split()[2]): int(l.split()[-1]) for l in self.lines
+                if l.startswith("launch_local: process ") and " has pid " in l}
 
     def finish(self, timeout: float) -> int:
         try:
@@ -82,27 +88,31 @@ def test_killing_either_process_stops_the_other_with_one_line(tmp_path, dataset,
     ours = [l for l in launch.of(survivor) if l.startswith("seqax") and ": error: " in l]
     sign = "seqax" if survivor == 0 else f"seqax[process {survivor}]"
     assert len(ours) == 1 and ours[0].startswith(f"{sign}: error: lost process {killed} ("), "".join(launch.lines[-40:])
-    assert not any(n in l for l in launch.of(survivor) for n in NATIVE if n != "Terminating process because"), "".join(launch.lines[-40:])
+    assert not any(n in l for l in launch.of(survivor) for n in NATIVE
+                   if n != "Terminating process because"), "".join(launch.lines[-40:])
     if killed == 1:  # process 0 learns first, from its own watchdog: nothing from the runtime
         assert not any("Terminating process because" in l for l in launch.of(survivor)), "".join(launch.lines[-40:])
-    assert f"launch_local: process {killed} (pid {launch.pids()[killed]}) was killed by SIGKILL first; exiting with status 137\n" in launch.lines
+    assert (f"launch_local: process {killed} (pid {launch.pids()[killed]}) was killed by SIGKILL first; "
+            "exiting with status 137\n") in launch.lines
     assert status == 137
 
 
 @pytest.mark.slow
 def test_a_process_that_never_joins_is_named(tmp_path, dataset):
     """Only process 0 starts (process 1 of 2 never comes): it names process 1 after the initialization timeout."""
-    env = {**environment(tmp_path), "JAX_COORDINATOR_ADDRESS": "127.0.0.1:0", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}
+    env = {**environment(tmp_path), "JAX_COORDINATOR_ADDRESS": "127.0.0.1:0", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "0"}
     port = free_port_pair()
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
     started = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "train", "--config-name=local_test_synthetic", "+paths.model_name=alone",
-                             f"paths.root_working_dir={tmp_path}",
+    result = subprocess.run([sys.executable, "-m", "train", "--config-name=local_test_synthetic",
+                             "+paths.model_name=alone", f"paths.root_working_dir={tmp_path}",
                              f"dataset.path={dataset}", *ARGS, "distributed.initialization_timeout_seconds=5"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     took = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-3000:]
-    assert result.stderr.strip().splitlines()[-1].startswith("seqax: error: process(es) [1] did not join within 5 s"), result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "seqax: error: process(es) [1] did not join within 5 s"), result.stderr[-3000:]
     assert not any(n in result.stderr for n in NATIVE) and took < 60, (took, result.stderr[-3000:])
 
 
@@ -115,8 +125,9 @@ def free_port_pair() -> int:
 @pytest.mark.parametrize("when", ["importing", "compiling"])
 def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
     env = {**environment(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    proc = subprocess.Popen([sys.executable, "-m", "train", "--config-name=local_test_synthetic", "+paths.model_name=early",
-                             f"paths.root_working_dir={tmp_path}", f"dataset.path={dataset}", *ARGS],
+    proc = subprocess.Popen([sys.executable, "-m", "train", "--config-name=local_test_synthetic",
+                             "+paths.model_name=early", f"paths.root_working_dir={tmp_path}",
+                             f"dataset.path={dataset}", *ARGS],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if when == "importing":
         time.sleep(0.5)
@@ -126,20 +137,23 @@ def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
-    assert err.strip().splitlines() == ["seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
-                                        "a restart resumes from the newest checkpoint"], err[-3000:]
+    assert err.strip().splitlines() == [
+        "seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
+        "a restart resumes from the newest checkpoint"], err[-3000:]
     assert "step " not in out
 
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path, dataset):
-    """Every process saves at an agreed step, says goodbye (no `lost process` line) and exits 0: so does the launcher."""
+    """Every process saves at an agreed step, says goodbye (no `lost process` line) and exits 0:
+    so does the launcher."""
     launch = Launch(tmp_path, dataset)
     assert launch.stepped.wait(timeout=300) and launch.proc.poll() is None, "".join(launch.lines[-40:])
     launch.proc.send_signal(signal.SIGTERM)
     status = launch.finish(timeout=180)
     assert status == 0, "".join(launch.lines[-40:])
-    assert "launch_local: all 2 processes exited 0\n" in launch.lines and not any("error" in l for l in launch.lines), "".join(launch.lines[-40:])
+    assert ("launch_local: all 2 processes exited 0\n" in launch.lines
+            and not any("error" in l for l in launch.lines)), "".join(launch.lines[-40:])
     assert any(n.isdigit() for n in os.listdir(tmp_path / "run" / "checkpoints"))
 
 

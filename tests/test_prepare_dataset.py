@@ -80,7 +80,8 @@ def test_byte_round_trip(tmp_path, kind):
     run(args + ["--output", out, "--validation-documents", "4"])
     assert_round_trip(out, DOCUMENTS, ordered=["validation"])
     dataset = open_flat_tokens(out)
-    assert dataset.attrs["tokenizer"]["kind"] == "bytes" and dataset.max_token_id == 257  # every document ends with <eos>
+    # every document ends with <eos>
+    assert dataset.attrs["tokenizer"]["kind"] == "bytes" and dataset.max_token_id == 257
     assert len(decoded(out)["validation"]) == 4
 
 
@@ -90,18 +91,21 @@ def test_bpe_round_trip(tmp_path):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"])
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<eos>"])
     tokenizer.train_from_iterator(DOCUMENTS, trainer)
     tokenizer_path = str(tmp_path / "tokenizer.json")
     tokenizer.save(tokenizer_path)
     out = str(tmp_path / "bpe.zarr")
-    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--tokenizer", tokenizer_path, "--eos-token", "<eos>", "--validation-fraction", "0.2"])
+    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--tokenizer", tokenizer_path,
+                                                  "--eos-token", "<eos>", "--validation-fraction", "0.2"])
     assert_round_trip(out, DOCUMENTS)
     info = open_flat_tokens(out).attrs["tokenizer"]
     assert info["kind"] == "tokenizers" and info["eos_id"] == tokenizer.token_to_id("<eos>") + 1
     bytes_out = str(tmp_path / "bytes.zarr")
     run(write_inputs(tmp_path / "in", "jsonl") + ["--output", bytes_out, "--validation-fraction", "0.2"])
-    assert open_flat_tokens(out).splits["train"].num_tokens < open_flat_tokens(bytes_out).splits["train"].num_tokens / 2  # BPE merges
+    assert (open_flat_tokens(out).splits["train"].num_tokens
+            < open_flat_tokens(bytes_out).splits["train"].num_tokens / 2)  # BPE merges
     assert decoded(out)["validation"] == decoded(bytes_out)["validation"]  # the choice does not depend on the tokenizer
 
 
@@ -128,16 +132,19 @@ def test_validation_choice(tmp_path):
 
 def test_max_tokens(tmp_path):
     out = str(tmp_path / "cut.zarr")
-    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--max-tokens", "1000", "--validation-documents", "1"])
+    run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--max-tokens", "1000",
+                                                  "--validation-documents", "1"])
     dataset = open_flat_tokens(out)
     assert dataset.splits["train"].num_tokens + dataset.splits["validation"].num_tokens == 1000
 
 
 def test_existing_output_is_kept_without_overwrite(tmp_path, capsys):
-    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--validation-documents", "1"]
+    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"),
+                                                     "--validation-documents", "1"]
     run(args + ["--max-tokens", "500"])
     assert "exists; pass --overwrite" in run_error(args, capsys)
-    assert open_flat_tokens(str(tmp_path / "out.zarr")).attrs["train_tokens"] + open_flat_tokens(str(tmp_path / "out.zarr")).attrs["validation_tokens"] == 500
+    assert (open_flat_tokens(str(tmp_path / "out.zarr")).attrs["train_tokens"]
+            + open_flat_tokens(str(tmp_path / "out.zarr")).attrs["validation_tokens"] == 500)
     run(args + ["--overwrite"])
     assert_round_trip(str(tmp_path / "out.zarr"), DOCUMENTS, ordered=["validation"])
     assert glob.glob(str(tmp_path / "out.zarr.*")) == []
@@ -162,15 +169,18 @@ def test_interrupted_run_leaves_no_dataset(tmp_path, monkeypatch):
 
 def test_empty_input_is_one_error(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
-    assert "hold no documents" in run_error([str(tmp_path / "empty.txt"), "--output", str(tmp_path / "out.zarr")], capsys)
+    assert "hold no documents" in run_error([str(tmp_path / "empty.txt"), "--output", str(tmp_path / "out.zarr")],
+                                            capsys)
     assert not os.path.exists(tmp_path / "out.zarr")
 
 
 def test_tokenizer_with_ids_beyond_2_31_is_one_error(tmp_path, capsys):
-    big = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None, "pre_tokenizer": {"type": "Whitespace"},
-           "post_processor": None, "decoder": None, "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1, "b": 2**31 - 1}, "unk_token": "[UNK]"}}
+    big = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+           "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+           "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1, "b": 2**31 - 1}, "unk_token": "[UNK]"}}
     (tmp_path / "big.json").write_text(json.dumps(big))
-    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--tokenizer", str(tmp_path / "big.json")]
+    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--tokenizer",
+                                                     str(tmp_path / "big.json")]
     assert "has token id 2147483647" in run_error(args, capsys)
 
 
@@ -179,7 +189,8 @@ def test_vocab_smaller_than_the_data_stops_training(tmp_path):
     tests/test_train_cli.py), refuses the prepared data with a vocabulary too small for it."""
     out = str(tmp_path / "text.zarr")
     run(write_inputs(tmp_path / "in", "jsonl") + ["--output", out, "--validation-documents", "2"])
-    cfg = load_config("local_test_text", ["+paths.model_name=vocab", f"paths.root_working_dir={tmp_path}", f"dataset.path={out}", "model.vocab=256"])
+    cfg = load_config("local_test_text", ["+paths.model_name=vocab", f"paths.root_working_dir={tmp_path}",
+                                          f"dataset.path={out}", "model.vocab=256"])
     with pytest.raises(ConfigError, match=r"model.vocab=256 is too small for the dataset's max_token_id 257"):
         train.train(cfg, "unused: true\n")
     assert not os.path.exists(tmp_path / "vocab")

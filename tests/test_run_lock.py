@@ -16,32 +16,35 @@ from config import ConfigError
 from fixtures import child_env, snapshot, synthetic_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "training.tokens.batch=8",
-         "training.steps=12", "checkpoint_interval=4", "eval_batches=0"]
+SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1",
+         "training.tokens.batch=8", "training.steps=12", "checkpoint_interval=4", "eval_batches=0"]
 
 
 
 def start_train(root, name: str, dataset: str) -> subprocess.Popen:
     env = child_env(8, graph=False)  # nothing here reads training_step.svg
-    cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}", f"paths.root_working_dir={root}",
-           f"dataset.path={dataset}", *SMALL]
+    cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}",
+           f"paths.root_working_dir={root}", f"dataset.path={dataset}", *SMALL]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
     """The synthetic tasks at a two-hundredth of the default size: 12 steps read 6144 tokens."""
-    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "3000")
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000",
+                             "--validation-tokens", "3000")
 
 
 def losses(run_dir) -> list[tuple[int, float]]:
-    return [(l["step"], l["loss"]) for l in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if "loss" in l]
+    return [(l["step"], l["loss"]) for l in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
+            if "loss" in l]
 
 
 def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path):
     run_dir = str(tmp_path / "run")
     with run_lock.hold(run_dir):
-        with pytest.raises(ConfigError, match=rf"run directory '{run_dir}' is in use by a live run \(pid {os.getpid()} on host {socket.gethostname()}\)"):
+        with pytest.raises(ConfigError, match=rf"run directory '{run_dir}' is in use by a live run "
+                                              rf"\(pid {os.getpid()} on host {socket.gethostname()}\)"):
             with run_lock.hold(run_dir):
                 pass
     with run_lock.hold(run_dir):  # released on exit
@@ -50,7 +53,8 @@ def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path):
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     run_dir = str(tmp_path / "run")
-    script = f"import run_lock, time\nwith run_lock.hold({run_dir!r}):\n    print('held', flush=True)\n    time.sleep(600)"
+    script = (f"import run_lock, time\nwith run_lock.hold({run_dir!r}):\n"
+              "    print('held', flush=True)\n    time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
     with pytest.raises(ConfigError, match=f"pid {holder.pid} on host"):
@@ -71,7 +75,8 @@ def test_a_second_run_stops_at_once_and_the_first_finishes_undisturbed(dataset, 
     try:
         deadline = time.monotonic() + 300
         while not (lock.exists() and lock.read_text().startswith(f"pid {first.pid} ")):
-            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()[-3000:] if first.poll() is not None else "no lock"
+            assert first.poll() is None and time.monotonic() < deadline, (
+                first.stderr.read()[-3000:] if first.poll() is not None else "no lock")
             time.sleep(0.1)
         first.send_signal(signal.SIGSTOP)  # keeps it alive, holding the lock, however fast it trains
         before = snapshot(tmp_path / "run")
@@ -84,9 +89,12 @@ def test_a_second_run_stops_at_once_and_the_first_finishes_undisturbed(dataset, 
         first.send_signal(signal.SIGCONT)
     assert second.returncode == 2 and elapsed < 60
     holder = f"pid {first.pid} on host {socket.gethostname()}"
-    line = f"seqax: error: run directory '{tmp_path / 'run'}' is in use by a live run ({holder}); wait for it to end, or choose another paths.model_name"
+    line = (f"seqax: error: run directory '{tmp_path / 'run'}' is in use by a live run ({holder}); "
+            "wait for it to end, or choose another paths.model_name")
     assert stderr.splitlines() == [line]
     assert first.wait(timeout=600) == 0, first.stderr.read()[-3000:]
-    assert losses(tmp_path / "run") == losses(tmp_path / "reference") and [s for s, _ in losses(tmp_path / "run")] == list(range(12))
-    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == sorted(os.listdir(tmp_path / "reference" / "checkpoints")) == \
-        ["0000000004", "0000000008", "0000000012"]
+    assert (losses(tmp_path / "run") == losses(tmp_path / "reference")
+            and [s for s, _ in losses(tmp_path / "run")] == list(range(12)))
+    assert (sorted(os.listdir(tmp_path / "run" / "checkpoints"))
+            == sorted(os.listdir(tmp_path / "reference" / "checkpoints"))
+            == ["0000000004", "0000000008", "0000000012"])

@@ -15,7 +15,18 @@ import config
 import runs
 import sample
 import train
-from fixtures import ROOT, forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
+from fixtures import (
+    ROOT,
+    forward_logits,
+    make_mesh,
+    prepared_dataset,
+    run_overrides,
+    run_train,
+    synthetic_dataset,
+    tiny_config,
+    tiny_overrides,
+    train_args,
+)
 from flat_tokens import open_flat_tokens
 from shardlib.shardtypes import make_shardings
 
@@ -69,7 +80,8 @@ def test_seeded_sample_is_reproducible(model):
     h, weights = model
     mesh = make_mesh(4, 2)
     w = jax.device_put(weights, make_shardings(train.Model, mesh))
-    draw = lambda seed, n: sample.generate(h, w, mesh, [7, 8, 9], num_samples=n, max_new_tokens=8, temperature=1.0, top_k=50, seed=seed)  # noqa: E731
+    draw = lambda seed, n: sample.generate(h, w, mesh, [7, 8, 9], num_samples=n, max_new_tokens=8,  # noqa: E731
+                                           temperature=1.0, top_k=50, seed=seed)
     first = draw(3, 5)
     assert np.array_equal(first, draw(3, 5))
     assert np.array_equal(first[:2], draw(3, 2))  # a sample does not depend on how many are drawn
@@ -79,7 +91,8 @@ def test_seeded_sample_is_reproducible(model):
 
 def test_choose_tokens_keeps_to_top_k_and_valid_ids():
     logits = jnp.array([[9.0, 1.0, 5.0, 4.0, 3.0, 8.0]] * 64)
-    chosen = np.asarray(sample.choose_tokens(logits, jax.random.key(0), jnp.uint32(0), temperature=1.0, top_k=2, max_token_id=4))
+    chosen = np.asarray(sample.choose_tokens(logits, jax.random.key(0), jnp.uint32(0), temperature=1.0, top_k=2,
+                                             max_token_id=4))
     assert set(chosen.tolist()) == {2, 3}  # 0 is not a target and 5 is above max_token_id
 
 
@@ -88,11 +101,12 @@ def text_run(tmp_path_factory):
     """A tiny byte-level model trained for 40 steps on this repository's docs by `python -m train`
 (a child process: a training run's profiler, threads and signal handler stay out of this one)."""
     root = tmp_path_factory.mktemp("text")
-    data = prepared_dataset(root / "docs.zarr", os.path.join(ROOT, "docs"), os.path.join(ROOT, "README.md"), "--suffixes", ".md",
-                            "--txt-documents", "paragraph", "--validation-documents", "8")
+    data = prepared_dataset(root / "docs.zarr", os.path.join(ROOT, "docs"), os.path.join(ROOT, "README.md"),
+                            "--suffixes", ".md", "--txt-documents", "paragraph", "--validation-documents", "8")
     result = run_train(["--config-name=local_test_text", *run_overrides(root, data, "text"),
-        "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=264", "training.tokens.batch=8", "training.tokens.len=64",
-        "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2", "eval_batches=0", "mesh.d=4", "mesh.t=2", "dataset.streams=1"],
+        "model.d_model=64", "model.d_head=16", "model.d_ff=128", "model.vocab=264", "training.tokens.batch=8",
+        "training.tokens.len=64", "training.steps=40", "training.warmup_steps=4", "training.learning_rate=1e-2",
+        "eval_batches=0", "mesh.d=4", "mesh.t=2", "dataset.streams=1"],
         graph=False)  # sampling reads the checkpoint and config.yaml, not training_step.svg (fixtures.child_env)
     assert result.returncode == 0, result.stderr[-3000:]
     return str(root / "text")
@@ -108,7 +122,8 @@ def test_command_line_prints_text(text_run, capsys):
     for text in texts:
         body = text.split("\n", 1)[1]
         assert body.startswith("The ") and len(body) > len("The \n"), body
-        text_like = sum(c.isprintable() and c != "\ufffd" or c in "\n\t" for c in body)  # \ufffd: a byte that is not UTF-8
+        # \ufffd: a byte that is not UTF-8
+        text_like = sum(c.isprintable() and c != "\ufffd" or c in "\n\t" for c in body)
         assert text_like >= 0.9 * len(body), body
     print(out, file=sys.stderr)
 
@@ -134,7 +149,9 @@ def synthetic_run(tmp_path_factory):
     train` trains one, by `python -m train` in a child process."""
     root = tmp_path_factory.mktemp("synthetic")
     data = synthetic_dataset(root / "synthetic.zarr", "--train-tokens", "20000", "--validation-tokens", "2000")
-    result = run_train(train_args(root, data, "synthetic", *tiny_overrides("training.steps=10", "eval_batches=0", "checkpoint_interval=10")), graph=False)
+    result = run_train(train_args(root, data, "synthetic",
+                                  *tiny_overrides("training.steps=10", "eval_batches=0", "checkpoint_interval=10")),
+                       graph=False)
     assert result.returncode == 0, result.stderr[-3000:]
     return str(root / "synthetic")
 
@@ -142,12 +159,14 @@ def synthetic_run(tmp_path_factory):
 @pytest.mark.slow
 def test_prompt_ids_on_a_run_without_a_text_tokenizer_print_ids(synthetic_run, capsys):
     prompt = [2, 10, 11, 12, 1]  # the copy task, three symbols, the separator
-    sample.main(["--run-dir", synthetic_run, "--prompt-ids", *map(str, prompt), "--max-new-tokens", "5", "--temperature", "0", "--num-samples", "2"])
+    sample.main(["--run-dir", synthetic_run, "--prompt-ids", *map(str, prompt), "--max-new-tokens", "5",
+                 "--temperature", "0", "--num-samples", "2"])
     run = runs.load_run_config(synthetic_run)
     mesh = runs.run_mesh(run.model, None, None)
     _, weights = runs.load_weights(synthetic_run, run, mesh)
     largest = open_flat_tokens(run.dataset_path).max_token_id
-    expected = sample.generate(run.model, weights, mesh, prompt, num_samples=1, max_new_tokens=5, max_token_id=largest)[0].tolist()
+    expected = sample.generate(run.model, weights, mesh, prompt, num_samples=1, max_new_tokens=5,
+                               max_token_id=largest)[0].tolist()
     assert all(1 <= t <= largest for t in expected)
     out = capsys.readouterr().out
     assert out == "".join(f"--- sample {i}\n{' '.join(map(str, prompt + expected))}\n" for i in range(2)), out
@@ -157,7 +176,8 @@ def test_prompt_ids_on_a_run_without_a_text_tokenizer_print_ids(synthetic_run, c
 @pytest.mark.parametrize("args,message", [
     (["--prompt-ids", "5", "70"], "--prompt-ids 70 is outside 1..69"),
     (["--prompt-ids", "0"], "--prompt-ids 0 is outside 1..69"),
-    (["--prompt", "hello"], "has no text tokenizer to encode --prompt; give the prompt as token ids with --prompt-ids"),
+    (["--prompt", "hello"],
+     "has no text tokenizer to encode --prompt; give the prompt as token ids with --prompt-ids"),
 ], ids=["above", "zero", "text"])
 def test_a_prompt_the_data_cannot_hold_is_refused_in_one_line(synthetic_run, capsys, args, message):
     with pytest.raises(SystemExit) as exit:

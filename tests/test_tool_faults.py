@@ -28,8 +28,9 @@ def run_dir(tmp_path_factory) -> str:
     data = str(root / "data.zarr")
     docs = [np.frombuffer(b"hello world", np.uint8).astype(np.uint32) + 1] * 8
     write_flat_tokens(data, {"train": docs, "validation": docs[:1]}, {"tokenizer": ByteTokenizer().identity()})
-    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1", "model.vocab=258",
-                                               "+paths.model_name=run", f"paths.root_working_dir={root}", f"dataset.path={data}"])
+    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128",
+                                               "model.layers=1", "model.vocab=258", "+paths.model_name=run",
+                                               f"paths.root_working_dir={root}", f"dataset.path={data}"])
     os.makedirs(root / "run")
     (root / "run" / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
     checkpointer = Checkpointer(str(root / "run" / "checkpoints"), cfg.checkpoints)
@@ -62,7 +63,8 @@ def test_export_refuses_an_existing_output(run_dir, tmp_path, capsys, kind):
         output.write_text("mine")
     before = snapshot(tmp_path)
     line = one_error_line(capsys, lambda: export_hf.main(["--run-dir", run_dir, "--output", str(output)]))
-    assert line == f"seqax: error: --output '{output}' exists; pass --overwrite to replace it, or choose another --output"
+    assert line == (f"seqax: error: --output '{output}' exists; "
+                    "pass --overwrite to replace it, or choose another --output")
     assert snapshot(tmp_path) == before and (output.is_dir() == (kind == "directory"))
 
 
@@ -123,20 +125,24 @@ def test_sample_refuses_a_prompt_its_tokenizer_cannot_encode():
     model.decoder = tokenizers.decoders.Fuse()
     tokenizer = JsonTokenizer(model.to_str(), "test")
     assert sample.encode_prompt(tokenizer, "ab ba") == [2, 3, 4, 3, 2]  # id + 1
-    with pytest.raises(ConfigError, match=r"--prompt character 'é' \(U\+00E9, at 3\) cannot be encoded by the run's tokenizer; leave it out"):
+    with pytest.raises(ConfigError, match=r"--prompt character 'é' \(U\+00E9, at 3\) "
+                                          r"cannot be encoded by the run's tokenizer; leave it out"):
         sample.encode_prompt(tokenizer, "ab é")
 
 
 @pytest.mark.slow
 def test_sample_refuses_a_kv_cache_larger_than_free_memory(run_dir, capsys):
-    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", "hi", "--max-new-tokens", "1000000000"]))
-    assert "the KV cache of 4 samples x 1000000002 positions needs 476.84 GiB, more than the" in line and "GiB free on cpu; lower --max-new-tokens" in line
+    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", "hi",
+                                                       "--max-new-tokens", "1000000000"]))
+    assert ("the KV cache of 4 samples x 1000000002 positions needs 476.84 GiB, more than the" in line
+            and "GiB free on cpu; lower --max-new-tokens" in line)
 
 
 @pytest.mark.slow
 def test_sample_with_a_dataset_that_does_not_exist_is_one_line(run_dir, capsys):
     line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--dataset", "/nonexistent/data.zarr"]))
-    assert line == "seqax: error: dataset '/nonexistent/data.zarr' (for its tokenizer) does not exist; pass --dataset PATH of the run's flat-tokens dataset"
+    assert line == ("seqax: error: dataset '/nonexistent/data.zarr' (for its tokenizer) does not exist; "
+                    "pass --dataset PATH of the run's flat-tokens dataset")
 
 
 @pytest.mark.slow

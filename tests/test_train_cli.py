@@ -17,7 +17,8 @@ EARLIER_METRICS = '{"step": 0, "loss": 1.0}\n'  # an earlier run's file, which a
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory) -> str:
     """The same tasks and tokens (so the same max_token_id), a two-hundredth of the size."""
-    return synthetic_dataset(tmp_path_factory.mktemp("data") / "small.zarr", "--train-tokens", "20000", "--validation-tokens", "3000")
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "small.zarr", "--train-tokens", "20000",
+                             "--validation-tokens", "3000")
 
 
 @pytest.mark.slow
@@ -31,7 +32,8 @@ def test_local_test_synthetic_learns_in_50_steps(default_dataset, tmp_path):
     evals = [l for l in lines if "eval_loss" in l]
     lines = [l for l in lines if "eval_loss" not in l]
     assert [l["step"] for l in lines] == list(range(50))
-    assert [l["step"] for l in evals] == [25, 50] and evals[1]["eval_loss"] < evals[0]["eval_loss"], evals  # eval_interval 25
+    assert ([l["step"] for l in evals] == [25, 50]  # eval_interval 25
+            and evals[1]["eval_loss"] < evals[0]["eval_loss"]), evals
     for l in lines:
         assert {"step", "loss", "learning_rate", "grad_norm"} <= set(l)
     assert lines[0]["loss"] - lines[49]["loss"] >= 1.0, (lines[0]["loss"], lines[49]["loss"])
@@ -56,12 +58,14 @@ def assert_untouched(run_dir):
     [
         (["training.tokens.batch=62"], r"training.tokens.batch=62 is not divisible by mesh.d=4"),
         (["mesh.d=4", "mesh.t=4"], r"mesh.d=4 x mesh.t=4 = 16 must equal the 8 devices"),
-        (["model.vocab=64"], r"model.vocab=64 is too small for the dataset's max_token_id \d+; set model.vocab to at least \d+"),
+        (["model.vocab=64"],
+         r"model.vocab=64 is too small for the dataset's max_token_id \d+; set model.vocab to at least \d+"),
         (["model.n_kv=3"], r"model.n_kv=3 is not divisible by mesh.t=2"),
         (["model.attention_block=48"], r"model.attention_block=48 must divide training.tokens.len=64"),
         (["dataset.path=/nonexistent/data.zarr"], r"dataset '/nonexistent/data.zarr' does not exist"),
         (["training.steps=ten"], r"config key training.steps must be int, got 'ten'"),
-        (["checkpoint_interval=-5"], r"checkpoint_interval=-5 must be 0 \(save only at the end and on SIGTERM\) or a positive step count"),
+        (["checkpoint_interval=-5"],
+         r"checkpoint_interval=-5 must be 0 \(save only at the end and on SIGTERM\) or a positive step count"),
     ],
 )
 def test_bad_config_stops_before_compiling(small_dataset, tmp_path, monkeypatch, overrides, message):

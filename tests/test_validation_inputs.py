@@ -42,7 +42,8 @@ def write_files(folder) -> tuple[list[str], list[str]]:
     for i, d in enumerate(TRAIN):
         (train_dir / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
     (held_dir / "a.txt").write_text(HELD_OUT["txt"][0], encoding="utf-8")
-    (held_dir / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in HELD_OUT["jsonl"]), encoding="utf-8")
+    (held_dir / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in HELD_OUT["jsonl"]),
+                                      encoding="utf-8")
     pyarrow.parquet.write_table(pyarrow.table({"text": HELD_OUT["parquet"]}), str(held_dir / "c.parquet"))
     return [str(train_dir)], [str(held_dir / name) for name in ("a.txt", "b.jsonl", "c.parquet")]
 
@@ -65,7 +66,8 @@ def test_validation_split_is_exactly_the_validation_inputs(tmp_path, workers):
 def test_max_tokens_cuts_the_inputs_not_the_validation_files(tmp_path):
     inputs, held = write_files(tmp_path)
     out = str(tmp_path / "out.zarr")
-    run(inputs + ["--validation-inputs", *held, "--output", out, "--workers", "1", "--max-tokens", str(len(TRAIN[0]) + 1 + 3)])  # + 1: its end-of-document id
+    run(inputs + ["--validation-inputs", *held, "--output", out, "--workers", "1",
+                  "--max-tokens", str(len(TRAIN[0]) + 1 + 3)])  # + 1: its end-of-document id
     splits = decoded(out)
     assert splits["validation"] == HELD_OUT["txt"] + HELD_OUT["jsonl"] + HELD_OUT["parquet"]
     assert splits["train"] == [TRAIN[0], TRAIN[1][:3]]
@@ -91,7 +93,8 @@ def test_a_file_in_both_is_refused(tmp_path, capsys):
 
 def test_validation_inputs_exclude_the_other_validation_choices(tmp_path, capsys):
     inputs, held = write_files(tmp_path)
-    line = one_error(inputs + ["--validation-inputs", *held, "--validation-documents", "2", "--output", str(tmp_path / "out.zarr")], capsys)
+    line = one_error(inputs + ["--validation-inputs", *held, "--validation-documents", "2",
+                               "--output", str(tmp_path / "out.zarr")], capsys)
     assert "at most one of" in line
 
 
@@ -109,7 +112,8 @@ def test_a_runs_evaluation_batches_hold_only_the_validation_documents(tmp_path):
     inputs, held = write_files(tmp_path)
     out = str(tmp_path / "out.zarr")
     run(inputs + ["--validation-inputs", *held, "--output", out])
-    cfg = tiny_config(f"dataset.path={out}", "model.vocab=512", "eval_batches=2", "training.tokens.batch=4", "training.tokens.len=64")
+    cfg = tiny_config(f"dataset.path={out}", "model.vocab=512", "eval_batches=2", "training.tokens.batch=4",
+                      "training.tokens.len=64")
     tokenizer = dataset_tokenizer(out)
     pieces = []
     for batch in train.evaluation_batches(cfg, open_flat_tokens(out), make_mesh(1, 1)):

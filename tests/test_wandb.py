@@ -26,7 +26,8 @@ CONFIG_YAML = "model:\n  d_model: 8\ntraining:\n  steps: 8\nlogging:\n  wandb_pr
 def fake_config(steps: int):
     return types.SimpleNamespace(
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
-        model=config.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5, attention_block=8),
+        model=config.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4,
+                                 norm_eps=1e-5, attention_block=8),
         mesh=types.SimpleNamespace(d=1, t=1),
         logging=config.LoggingConfig(wandb_project="seqax-test", wandb_entity=""),
     )
@@ -34,7 +35,8 @@ def fake_config(steps: int):
 
 def run_log(run_dir, start: int, losses: dict[int, float], evals: dict[int, float]):
     """RunLog as train.py drives it: steps from `start`, an eval line after step s - 1 for each s in `evals`."""
-    log = training_io.RunLog(str(run_dir), CONFIG_YAML, fake_config(8), start, train.model_flops_per_token, profiled_steps=0)
+    log = training_io.RunLog(str(run_dir), CONFIG_YAML, fake_config(8), start, train.model_flops_per_token,
+                             profiled_steps=0)
     for step, loss in losses.items():
         log.before_step(step, None)
         log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3 * (step + 1)), jnp.float32(0.5 + step)))
@@ -77,7 +79,8 @@ def read_offline_run(run_dir: str) -> tuple[str, dict, dict[int, dict]]:
         elif kind == "config":
             cfg |= {item.key: json.loads(item.value_json) for item in record.config.update}
         elif kind == "history":
-            values = {item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json) for item in record.history.item}
+            values = {item.nested_key[0] if item.nested_key else item.key: json.loads(item.value_json)
+                      for item in record.history.item}
             step = values.pop("_step")
             history.setdefault(step, {}).update({k: v for k, v in values.items() if not k.startswith("_")})
     return run_id, cfg, history

@@ -78,8 +78,9 @@ def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None)
         "intermediate_size": h.d_ff, "num_hidden_layers": h.layers, "num_attention_heads": h.n_q_per_kv * h.n_kv,
         "num_key_value_heads": h.n_kv, "head_dim": h.d_head, "hidden_act": "silu", "rms_norm_eps": h.norm_eps,
         "rope_theta": h.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": h.rope_base},
-        "max_position_embeddings": max_positions, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": eos_id, "pad_token_id": pad, "torch_dtype": "float32", "dtype": "float32",
+        "max_position_embeddings": max_positions, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": eos_id, "pad_token_id": pad,
+        "torch_dtype": "float32", "dtype": "float32",
     }
 
 
@@ -99,7 +100,8 @@ def offset_steps(processor: dict | None) -> list[dict]:
     if kind == "ByteLevel":
         return [processor]
     if kind == "RobertaProcessing" and processor.get("trim_offsets", True):
-        return [{"type": "ByteLevel", "add_prefix_space": processor.get("add_prefix_space", True), "trim_offsets": True, "use_regex": True}]
+        return [{"type": "ByteLevel", "add_prefix_space": processor.get("add_prefix_space", True), "trim_offsets": True,
+                 "use_regex": True}]
     return []
 
 
@@ -109,7 +111,8 @@ def begin_of_document_post_processor(processor: dict | None) -> dict:
     kept = offset_steps(processor)
     template = {"type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "pair": [{"SpecialToken": {"id": BOS_TOKEN, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
                 "special_tokens": {BOS_TOKEN: {"id": BOS_TOKEN, "ids": [0], "tokens": [BOS_TOKEN]}}}
     return {"type": "Sequence", "processors": [*kept, template]} if kept else template
 
@@ -120,8 +123,8 @@ def exported_tokenizer_json(text: str, pad: int | None, data_vocab: int) -> dict
     tok = shifted_tokenizer_json(text)
     tok["post_processor"] = begin_of_document_post_processor(tok["post_processor"])
     if pad == data_vocab:
-        tok["added_tokens"].append({"id": pad, "content": PAD_TOKEN, "single_word": False, "lstrip": False, "rstrip": False,
-                                    "normalized": False, "special": True})
+        tok["added_tokens"].append({"id": pad, "content": PAD_TOKEN, "single_word": False, "lstrip": False,
+                                    "rstrip": False, "normalized": False, "special": True})
     return tok
 
 
@@ -168,7 +171,8 @@ def shifted_tokenizer_json(text: str) -> dict:
     return tok
 
 
-def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None, overwrite: bool = False) -> int:
+def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None,
+           overwrite: bool = False) -> int:
     """Writes the HF model directory; returns the checkpoint step exported. Everything goes to
     `<output>.tmp-<random>`, renamed into place when complete: an interrupted export leaves no
     half-written output, and --overwrite replaces the old one whole (no stale files)."""
@@ -177,7 +181,8 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     try:
         from safetensors.numpy import save_file
     except ImportError:
-        raise ConfigError("the export writes safetensors, which is not installed: .venv/bin/pip install -r requirements-dev.txt") from None
+        raise ConfigError("the export writes safetensors, which is not installed: "
+                          ".venv/bin/pip install -r requirements-dev.txt") from None
     run = load_run_config(run_dir)
     mesh = run_mesh(run.model, None, None)
     step, weights = load_weights(run_dir, run, mesh, step)
@@ -187,21 +192,23 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
     group_attrs = dict(zarr.open_group(dataset, mode="r").attrs)
     attrs = group_attrs.get("tokenizer", {})
-    data_vocab = attrs.get("vocab_size") or group_attrs.get("max_token_id", run.model.vocab - 1) + 1  # ids the data can hold: 0..data_vocab - 1
+    # ids the data can hold: 0..data_vocab - 1
+    data_vocab = attrs.get("vocab_size") or group_attrs.get("max_token_id", run.model.vocab - 1) + 1
     eos, pad = attrs.get("eos_id"), pad_id(data_vocab, run.model.vocab, attrs.get("eos_id"))
     tmp = f"{output.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
     os.makedirs(tmp)
     try:
         save_file(hf_tensors(weights, run.model), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), eos, pad))
-        write_json(os.path.join(tmp, "generation_config.json"), generation_config(data_vocab, run.model.vocab, eos, pad))
+        write_json(os.path.join(tmp, "generation_config.json"),
+                   generation_config(data_vocab, run.model.vocab, eos, pad))
         if attrs.get("kind") == "tokenizers":
             text = zarr.open_group(dataset, mode="r")[attrs["stored_as"]][:].tobytes().decode("utf-8")
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 json.dump(exported_tokenizer_json(text, pad, data_vocab), f, ensure_ascii=False)
             # The post-processor adds <seqax_bos>; add_bos_token False keeps transformers from adding another.
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False, "add_eos_token": False,
-                      "model_max_length": run.seq_len}
+            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False,
+                      "add_eos_token": False, "model_max_length": run.seq_len}
             if attrs.get("eos_token"):
                 config["eos_token"] = attrs["eos_token"]
             if pad is not None:
@@ -238,7 +245,8 @@ def main(argv=None):
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--output", required=True, help="the HF model directory to write")
     parser.add_argument("--dataset", help="the run's dataset, for its tokenizer (default: the run's dataset.path)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output (whole: no file of the old export stays)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --output (whole: no file of the old export stays)")
     args = parser.parse_args(argv)
     try:
         step = export(args.run_dir, args.output, args.step, args.dataset, args.overwrite)

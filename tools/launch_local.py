@@ -42,9 +42,11 @@ def free_port() -> int:
 def process_env(i: int, n: int, devices: int, port: int) -> dict:
     """Process i's environment: K CPU devices (the XLA flag goes before any other), and the
     coordinator's address, the process count and this process's index (multihost.py reads them)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={devices}", *flags]), "JAX_PLATFORMS": "cpu",
-            "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "XLA_FLAGS": " ".join([f"--xla_force_host_platform_device_count={devices}", *flags]),
+            "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+            "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",
             "JAX_NUM_PROCESSES": str(n), "JAX_PROCESS_ID": str(i), "PYTHONUNBUFFERED": "1"}
 
 
@@ -65,13 +67,15 @@ class Launcher:
         self.procs = []
         for i in range(n):
             # Its own session, so that stopping a process also stops what it started.
-            proc = subprocess.Popen([sys.executable, "-m", "train", *train_args], cwd=ROOT, env=process_env(i, n, devices, self.port),
+            proc = subprocess.Popen([sys.executable, "-m", "train", *train_args], cwd=ROOT,
+                                    env=process_env(i, n, devices, self.port),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
             self.procs.append(proc)
             self.log(f"process {i} has pid {proc.pid}")
         self.exited = {}  # process -> (time.monotonic() of its exit, status), in the order they exited
         self.blamed = {}  # process -> the process it reported lost (`error: lost process j`)
-        self.readers = [threading.Thread(target=self.stream, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
+        self.readers = [threading.Thread(target=self.stream, args=(i, p), daemon=True)
+                        for i, p in enumerate(self.procs)]
         for reader in self.readers:
             reader.start()
         self.reapers = [threading.Thread(target=self.reap, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
@@ -145,7 +149,8 @@ class Launcher:
             self.log(f"all {len(self.procs)} processes exited 0")
             return 0
         i, status = failure
-        self.log(f"process {i} (pid {self.procs[i].pid}) {describe(status)} first; exiting with status {shell_status(status)}")
+        self.log(f"process {i} (pid {self.procs[i].pid}) {describe(status)} first; "
+                 f"exiting with status {shell_status(status)}")
         return shell_status(status) or 1
 
     def run(self) -> int:
@@ -165,7 +170,8 @@ class Launcher:
                 failed = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0)]
                 if failed:
                     i, status = failed[0]
-                    self.log(f"process {i} (pid {self.procs[i].pid}) {describe(status)}; waiting up to {self.grace:.0f} s for the others to stop")
+                    self.log(f"process {i} (pid {self.procs[i].pid}) {describe(status)}; "
+                             f"waiting up to {self.grace:.0f} s for the others to stop")
                     self.wait_all(self.grace)
                     return self.outcome()
                 if all(s == 0 for s in statuses):
@@ -176,7 +182,8 @@ class Launcher:
                     first_done = time.monotonic()
                 if first_done is not None and time.monotonic() - first_done > self.grace + 60:
                     waiting = [i for i, s in enumerate(statuses) if s is None]
-                    self.log(f"processes {waiting} still running 60 s after process {statuses.index(0)} finished; stopping them")
+                    self.log(f"processes {waiting} still running 60 s after process {statuses.index(0)} finished; "
+                             "stopping them")
                     self.stop(signal.SIGKILL)
                     return 1
                 time.sleep(0.05)
@@ -185,13 +192,16 @@ class Launcher:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="python -m tools.launch_local --processes N --devices-per-process K -- TRAIN_ARGS...")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="python -m tools.launch_local --processes N --devices-per-process K -- TRAIN_ARGS...")
     parser.add_argument("--processes", type=int, required=True, help="processes to start (N)")
-    parser.add_argument("--devices-per-process", type=int, required=True, help="simulated CPU devices of each process (K)")
+    parser.add_argument("--devices-per-process", type=int, required=True,
+                        help="simulated CPU devices of each process (K)")
     parser.add_argument("--port", type=int, default=0, help="the coordinator's port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--grace-seconds", type=float, default=30.0, help="after SIGTERM, how long processes may take to save and exit;\n"
-                        "after a failure, how long the others may take to stop on their own")
+    parser.add_argument("--grace-seconds", type=float, default=30.0,
+                        help="after SIGTERM, how long processes may take to save and exit;\n"
+                             "after a failure, how long the others may take to stop on their own")
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments of `python -m train`, after --")
     args = parser.parse_args(argv)
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args

@@ -16,7 +16,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-PANELS = [("loss", "loss"), ("learning_rate", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_second", "tokens/s")]
+PANELS = [("loss", "loss"), ("learning_rate", "learning rate"), ("grad_norm", "grad norm"),
+          ("tokens_per_second", "tokens/s")]
 
 
 def read_metrics(run_dir: str) -> dict[str, dict[int, float]]:
@@ -41,10 +42,12 @@ def plot(run_dirs: list[str], output: str):
         for ax, (key, _) in zip(axes.flat, PANELS):
             if key in series:
                 steps = sorted(series[key])
-                (line,) = ax.plot(steps, [series[key][s] for s in steps], label=name if key != "loss" else f"{name} train")
+                (line,) = ax.plot(steps, [series[key][s] for s in steps],
+                                  label=name if key != "loss" else f"{name} train")
                 if key == "loss" and "eval_loss" in series:
                     steps = sorted(series["eval_loss"])
-                    ax.plot(steps, [series["eval_loss"][s] for s in steps], "o--", color=line.get_color(), label=f"{name} eval")
+                    ax.plot(steps, [series["eval_loss"][s] for s in steps], "o--", color=line.get_color(),
+                            label=f"{name} eval")
     for ax, (_, title) in zip(axes.flat, PANELS):
         ax.set_title(title)
         ax.set_xlabel("step")

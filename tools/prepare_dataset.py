@@ -94,16 +94,19 @@ def file_documents(path: str, txt_documents: str, text_field: str) -> Iterator[s
                     except ValueError as e:
                         raise DatasetError(f"{path}:{number} is not JSON: {e}") from None
                     if not isinstance(record, dict) or text_field not in record:
-                        raise DatasetError(f"{path}:{number} has no field {text_field!r} (choose one with --text-field)")
+                        raise DatasetError(f"{path}:{number} has no field {text_field!r} "
+                                           "(choose one with --text-field)")
                     yield record[text_field]
     elif path.endswith(".parquet"):
         try:
             import pyarrow.parquet
         except ImportError:
-            raise DatasetError("reading .parquet needs `pyarrow`: .venv/bin/pip install -r requirements-dev.txt") from None
+            raise DatasetError("reading .parquet needs `pyarrow`: "
+                               ".venv/bin/pip install -r requirements-dev.txt") from None
         table = pyarrow.parquet.ParquetFile(path)
         if text_field not in table.schema_arrow.names:
-            raise DatasetError(f"{path} has no column {text_field!r} (it has {table.schema_arrow.names}; choose one with --text-field)")
+            raise DatasetError(f"{path} has no column {text_field!r} "
+                               f"(it has {table.schema_arrow.names}; choose one with --text-field)")
         for batch in table.iter_batches(columns=[text_field]):
             yield from (t for t in batch.column(0).to_pylist() if t is not None)
     else:
@@ -116,12 +119,15 @@ def hf_documents(args) -> Iterator[str]:
     try:
         import datasets
     except ImportError:
-        raise DatasetError("--hf-dataset needs the `datasets` package: .venv/bin/pip install -r requirements-dev.txt") from None
+        raise DatasetError("--hf-dataset needs the `datasets` package: "
+                           ".venv/bin/pip install -r requirements-dev.txt") from None
     data_files = args.hf_data_files or None
-    stream = datasets.load_dataset(args.hf_dataset, args.hf_config, split=args.hf_split, streaming=True, data_files=data_files)
+    stream = datasets.load_dataset(args.hf_dataset, args.hf_config, split=args.hf_split, streaming=True,
+                                   data_files=data_files)
     for record in stream:
         if args.text_field not in record:
-            raise DatasetError(f"dataset {args.hf_dataset!r} has no field {args.text_field!r} (it has {sorted(record)}; choose one with --text-field)")
+            raise DatasetError(f"dataset {args.hf_dataset!r} has no field {args.text_field!r} "
+                               f"(it has {sorted(record)}; choose one with --text-field)")
         yield record[args.text_field]
 
 
@@ -145,11 +151,13 @@ def validation_files(args) -> list[str] | None:
         return None
     files = input_files(args, args.validation_inputs)
     if not files:
-        raise DatasetError(f"--validation-inputs {args.validation_inputs} match no files (with --suffixes {args.suffixes!r} and --exclude)")
+        raise DatasetError(f"--validation-inputs {args.validation_inputs} match no files "
+                           f"(with --suffixes {args.suffixes!r} and --exclude)")
     training = set() if args.hf_dataset else {os.path.realpath(f) for f in input_files(args, args.inputs)}
     both = [f for f in files if os.path.realpath(f) in training]
     if both:
-        raise DatasetError(f"{both[0]!r} is both a training input and a --validation-inputs file; validation documents must not come from the inputs")
+        raise DatasetError(f"{both[0]!r} is both a training input and a --validation-inputs file; "
+                           "validation documents must not come from the inputs")
     return files
 
 
@@ -188,7 +196,8 @@ class Splitter:
 
     def __init__(self, writer: FlatTokensWriter, seed: int, fraction: float, count: int | None):
         self.writer, self.seed, self.fraction, self.count = writer, seed, fraction, count
-        self.held: list[tuple[int, int, np.ndarray]] = []  # max-heap by hash of the current N lowest: (-hash, index, tokens)
+        # max-heap by hash of the current N lowest: (-hash, index, tokens)
+        self.held: list[tuple[int, int, np.ndarray]] = []
         self.index = 0
 
     def add(self, docs: list[np.ndarray]):
@@ -218,7 +227,8 @@ def check_output_apart(inputs: list[str], output: str):
         for path in glob.glob(name, recursive=True) or [name]:
             path = os.path.realpath(path)
             if path == out or path.startswith(out + os.sep):
-                raise DatasetError(f"--output {output!r} is or contains the input {name!r}; writing it would delete the input; choose another --output")
+                raise DatasetError(f"--output {output!r} is or contains the input {name!r}; "
+                                   "writing it would delete the input; choose another --output")
 
 
 def prepare(args) -> dict:
@@ -227,15 +237,17 @@ def prepare(args) -> dict:
     held_out = validation_files(args)
     start, total = time.perf_counter(), 0
     context = multiprocessing.get_context("spawn")  # no fork of a process that holds zarr's threads
-    with FlatTokensWriter(args.output, overwrite=args.overwrite, chunk_tokens=args.chunk_tokens, shard_tokens=args.shard_tokens or None,
-                          compression_level=args.compression_level) as writer, \
-            context.Pool(args.workers, initializer=_start_worker, initargs=(tokenizer.spec(),)) if args.workers > 1 else contextlib.nullcontext() as pool:
+    with FlatTokensWriter(args.output, overwrite=args.overwrite, chunk_tokens=args.chunk_tokens,
+                          shard_tokens=args.shard_tokens or None, compression_level=args.compression_level) as writer, \
+            (context.Pool(args.workers, initializer=_start_worker, initargs=(tokenizer.spec(),)) if args.workers > 1
+             else contextlib.nullcontext()) as pool:
         from tqdm import tqdm
 
         # With --validation-inputs, the inputs all go to train (fraction 0) and those files to validation.
         splitter = Splitter(writer, args.seed, 0.0 if held_out else args.validation_fraction, args.validation_documents)
         progress = tqdm(total=args.max_tokens, unit="tok", unit_scale=True, disable=args.quiet, file=sys.stderr)
-        encode = (lambda docs: pool.imap(_encode, text_batches(docs))) if pool else (lambda docs: map(tokenizer.encode, text_batches(docs)))
+        encode = ((lambda docs: pool.imap(_encode, text_batches(docs))) if pool
+                  else (lambda docs: map(tokenizer.encode, text_batches(docs))))
         # Validation files first: a --max-tokens stop of the inputs below leaves their batches queued.
         for docs in encode(documents(args, held_out)) if held_out else []:
             writer.add_documents("validation", docs)
@@ -245,7 +257,8 @@ def prepare(args) -> dict:
             if args.max_tokens is not None:
                 room = np.cumsum([0] + [len(d) for d in docs])
                 keep = int(np.searchsorted(room, args.max_tokens - total, side="right")) - 1  # whole documents that fit
-                docs = docs[:keep] + ([docs[keep][: args.max_tokens - total - int(room[keep])]] if keep < len(docs) else [])
+                docs = docs[:keep] + ([docs[keep][: args.max_tokens - total - int(room[keep])]]
+                                      if keep < len(docs) else [])
                 docs = [d for d in docs if len(d)]
             splitter.add(docs)
             n = sum(len(d) for d in docs)
@@ -259,17 +272,22 @@ def prepare(args) -> dict:
         splitter.finish()
         for name in ("train", "validation"):
             if writer.num_documents[name] == 0:
-                fix = "the --validation-inputs files hold no documents" if held_out else "change --validation-fraction or -documents"
+                fix = ("the --validation-inputs files hold no documents" if held_out
+                       else "change --validation-fraction or -documents")
                 raise DatasetError(f"the {name} split would be empty ({splitter.index} input documents in all); {fix}")
         info = {"train_tokens": writer.num_tokens["train"], "validation_tokens": writer.num_tokens["validation"],
-                "train_documents": writer.num_documents["train"], "validation_documents": writer.num_documents["validation"]}
-        source = {"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split} if args.hf_dataset else {"inputs": args.inputs}
+                "train_documents": writer.num_documents["train"],
+                "validation_documents": writer.num_documents["validation"]}
+        source = ({"hf_dataset": args.hf_dataset, "hf_config": args.hf_config, "hf_split": args.hf_split}
+                  if args.hf_dataset else {"inputs": args.inputs})
         if tokenizer.kind == "tokenizers":
             writer.add_bytes("tokenizer_json", tokenizer.json_text.encode())
-        validation = {"inputs": held_out} if held_out else {"seed": args.seed, "fraction": args.validation_fraction, "documents": args.validation_documents}
+        validation = {"inputs": held_out} if held_out else {"seed": args.seed, "fraction": args.validation_fraction,
+                                                            "documents": args.validation_documents}
         writer.commit({"tokenizer": tokenizer.identity(), "source": source, "validation": validation, **info})
     seconds = time.perf_counter() - start
-    return {**info, "seconds": seconds, "tokens_per_second": total / seconds, "max_token_id": writer.max_token_id, "vocab_size": tokenizer.vocab_size}
+    return {**info, "seconds": seconds, "tokens_per_second": total / seconds, "max_token_id": writer.max_token_id,
+            "vocab_size": tokenizer.vocab_size}
 
 
 def parse_args(argv=None):
@@ -277,25 +295,36 @@ def parse_args(argv=None):
     p.add_argument("inputs", nargs="*", help="files, directories or glob patterns")
     p.add_argument("--output", required=True, help="the flat-tokens zarr to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--suffixes", default=".txt,.jsonl,.json,.parquet", help="comma-separated file endings searched in directories")
-    p.add_argument("--exclude", nargs="*", default=[], help="skip files whose path matches one of these patterns (fnmatch: '*/test/*')")
-    p.add_argument("--txt-documents", choices=("file", "paragraph"), default="file", help="a text file is one document, or one per blank-line-separated block")
-    p.add_argument("--text-field", default="text", help="the field (jsonl, Hugging Face) or column (parquet) holding the text")
-    p.add_argument("--hf-dataset", help="a Hugging Face dataset name, streamed with `datasets` (instead of INPUT files)")
+    p.add_argument("--suffixes", default=".txt,.jsonl,.json,.parquet",
+                   help="comma-separated file endings searched in directories")
+    p.add_argument("--exclude", nargs="*", default=[],
+                   help="skip files whose path matches one of these patterns (fnmatch: '*/test/*')")
+    p.add_argument("--txt-documents", choices=("file", "paragraph"), default="file",
+                   help="a text file is one document, or one per blank-line-separated block")
+    p.add_argument("--text-field", default="text",
+                   help="the field (jsonl, Hugging Face) or column (parquet) holding the text")
+    p.add_argument("--hf-dataset",
+                   help="a Hugging Face dataset name, streamed with `datasets` (instead of INPUT files)")
     p.add_argument("--hf-config", help="its configuration name")
     p.add_argument("--hf-split", default="train", help="its split to read")
-    p.add_argument("--hf-data-files", nargs="*", help="data_files for load_dataset (for example with --hf-dataset json)")
+    p.add_argument("--hf-data-files", nargs="*",
+                   help="data_files for load_dataset (for example with --hf-dataset json)")
     p.add_argument("--tokenizer", default="bytes", help="`bytes`, a tokenizer.json path, or a hub name when online")
     p.add_argument("--eos-token", help="a token of the tokenizer.json appended to every document")
     p.add_argument("--no-eos", action="store_true", help="append no end-of-document token")
-    p.add_argument("--validation-fraction", type=float, help="fraction of documents for validation (by keyed hash; default 0.01)")
+    p.add_argument("--validation-fraction", type=float,
+                   help="fraction of documents for validation (by keyed hash; default 0.01)")
     p.add_argument("--validation-documents", type=int, help="instead, exactly this many documents for validation")
-    p.add_argument("--validation-inputs", nargs="+", metavar="FILE", help="instead, every document of these files (or directories, patterns) for validation")
+    p.add_argument("--validation-inputs", nargs="+", metavar="FILE",
+                   help="instead, every document of these files (or directories, patterns) for validation")
     p.add_argument("--seed", type=int, default=0, help="key of the validation choice")
-    p.add_argument("--max-tokens", type=int, help="stop after this many tokens of the inputs (both splits; not the --validation-inputs)")
+    p.add_argument("--max-tokens", type=int,
+                   help="stop after this many tokens of the inputs (both splits; not the --validation-inputs)")
     p.add_argument("--workers", type=int, default=os.cpu_count(), help="tokenizer processes")
-    p.add_argument("--chunk-tokens", type=int, default=1 << 16, help="zarr chunk (the unit of compression and of a random read)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 22, help="zarr shard (one file; a multiple of --chunk-tokens; 0: no sharding)")
+    p.add_argument("--chunk-tokens", type=int, default=1 << 16,
+                   help="zarr chunk (the unit of compression and of a random read)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 22,
+                   help="zarr shard (one file; a multiple of --chunk-tokens; 0: no sharding)")
     p.add_argument("--compression-level", type=int, default=3, help="zstd level")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -304,7 +333,8 @@ def parse_args(argv=None):
     if sum(x is not None for x in (args.validation_fraction, args.validation_documents, args.validation_inputs)) > 1:
         p.error("give at most one of --validation-fraction, --validation-documents and --validation-inputs")
     args.validation_fraction = 0.01 if args.validation_fraction is None else args.validation_fraction
-    if not 0 <= args.validation_fraction < 1 or (args.validation_documents is not None and args.validation_documents < 1):
+    if not 0 <= args.validation_fraction < 1 or (args.validation_documents is not None
+                                                 and args.validation_documents < 1):
         p.error("--validation-fraction must be in [0, 1) and --validation-documents positive")
     if args.max_tokens is not None and args.max_tokens < 1 or args.workers < 1:
         p.error("--max-tokens and --workers must be positive")
@@ -318,8 +348,9 @@ def main(argv=None):
     except SeqaxError as e:
         print(f"prepare_dataset: error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"wrote {args.output}: {info['train_tokens']} train tokens in {info['train_documents']} documents, {info['validation_tokens']} validation tokens "
-          f"in {info['validation_documents']} documents; max token id {info['max_token_id']} (model.vocab must exceed it); "
+    print(f"wrote {args.output}: {info['train_tokens']} train tokens in {info['train_documents']} documents, "
+          f"{info['validation_tokens']} validation tokens in {info['validation_documents']} documents; "
+          f"max token id {info['max_token_id']} (model.vocab must exceed it); "
           f"{info['tokens_per_second']:.0f} tokens/s")
 
 

@@ -32,7 +32,8 @@ def make_document(rng: np.random.Generator, alphabet: int, min_len: int, max_len
         "sort": np.sort(symbols),
         "shift": (symbols + 1) % alphabet,
     }[TASKS[task]]
-    return np.concatenate([[FIRST_TASK + task], FIRST_SYMBOL + symbols, [SEPARATOR], FIRST_SYMBOL + answer]).astype(np.uint32)
+    return np.concatenate([[FIRST_TASK + task], FIRST_SYMBOL + symbols, [SEPARATOR],
+                           FIRST_SYMBOL + answer]).astype(np.uint32)
 
 
 def make_split(seed: int, num_tokens: int, alphabet: int, min_len: int, max_len: int) -> list[np.ndarray]:
@@ -63,7 +64,8 @@ def main(argv=None):
     }
     attrs = {"tokenizer": {"kind": "synthetic", "tasks": list(TASKS), "alphabet": args.alphabet, "seed": args.seed}}
     write_flat_tokens(args.output, splits, attrs, overwrite=args.overwrite)
-    print(f"wrote {args.output}: {sum(map(len, splits['train']))} train tokens, {sum(map(len, splits['validation']))} validation tokens")
+    print(f"wrote {args.output}: {sum(map(len, splits['train']))} train tokens, "
+          f"{sum(map(len, splits['validation']))} validation tokens")
 
 
 if __name__ == "__main__":

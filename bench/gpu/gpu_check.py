@@ -19,7 +19,8 @@ import sys
 MIN_JAX = (0, 10)
 
 # pip's name for a module whose package is named differently.
-PACKAGE_OF_MODULE = {"hydra": "hydra-core", "google_crc32c": "google-crc32c", "antlr4": "antlr4-python3-runtime", "yaml": "PyYAML", "ml_dtypes": "ml-dtypes"}
+PACKAGE_OF_MODULE = {"hydra": "hydra-core", "google_crc32c": "google-crc32c", "antlr4": "antlr4-python3-runtime",
+                     "yaml": "PyYAML", "ml_dtypes": "ml-dtypes"}
 
 
 class Missing(Exception):
@@ -28,20 +29,23 @@ class Missing(Exception):
 
 def wheels_advice(wheels_dir: str) -> str:
     if not os.path.isdir(wheels_dir):
-        return (f"the wheels folder {wheels_dir} is absent: run `bash bench/gpu/gpu_wheels.sh` where pip reaches PyPI and carry "
-                f"{wheels_dir} with the working tree (bench/gpu/gpu.sh installs it)")
-    return f"it is not among the wheels in {wheels_dir}: add it to bench/gpu/gpu_wheels.sh's list, run that again and carry {wheels_dir}"
+        return (f"the wheels folder {wheels_dir} is absent: run `bash bench/gpu/gpu_wheels.sh` "
+                f"where pip reaches PyPI and carry {wheels_dir} with the working tree (bench/gpu/gpu.sh installs it)")
+    return (f"it is not among the wheels in {wheels_dir}: add it to bench/gpu/gpu_wheels.sh's list, "
+            f"run that again and carry {wheels_dir}")
 
 
 def check_jax():
     try:
         import jax
     except ImportError as e:
-        raise Missing(f"jax does not import in {sys.executable} ({e}): run this with a Python that has jax and its CUDA plugin (set PYTHON)") from None
+        raise Missing(f"jax does not import in {sys.executable} ({e}): "
+                      "run this with a Python that has jax and its CUDA plugin (set PYTHON)") from None
     version = tuple(int(part) for part in re.findall(r"\d+", jax.__version__)[:2])
     if version < MIN_JAX:
         raise Missing(f"jax {jax.__version__} is too old: seqax needs jax >= {'.'.join(map(str, MIN_JAX))} "
-                      "(tested with 0.10.2 on CPU; written for 0.11.2 on the GPU machine too); install a newer jax with its CUDA plugin")
+                      "(tested with 0.10.2 on CPU; written for 0.11.2 on the GPU machine too); "
+                      "install a newer jax with its CUDA plugin")
     return jax
 
 
@@ -54,14 +58,16 @@ def check_modules(wheels_dir: str):
         if not module:
             raise Missing(f"an import failed: {e}; {wheels_advice(wheels_dir)}") from None
         package = PACKAGE_OF_MODULE.get(module, module)
-        raise Missing(f"Python package {package} (module {module}) is missing for {sys.executable}: {wheels_advice(wheels_dir)}") from None
+        raise Missing(f"Python package {package} (module {module}) is missing for {sys.executable}: "
+                      f"{wheels_advice(wheels_dir)}") from None
 
 
 def check_backend(jax, allow_cpu: bool) -> str:
     backend = jax.default_backend()
     devices = f"{jax.device_count()} x {jax.devices()[0].device_kind} ({backend})"
     if backend != "gpu" and not (allow_cpu and backend == "cpu"):
-        raise Missing(f"no GPU visible to JAX: its devices are {devices}; check nvidia-smi and CUDA_VISIBLE_DEVICES, and that jax's "
+        raise Missing(f"no GPU visible to JAX: its devices are {devices}; "
+                      "check nvidia-smi and CUDA_VISIBLE_DEVICES, and that jax's "
                       "CUDA plugin (jax-cuda13-plugin or jax-cuda12-plugin, matching the driver) is installed")
     return f"{devices}, jax {jax.__version__}, Python {sys.version.split()[0]}"
 
