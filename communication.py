@@ -18,7 +18,8 @@ from config import Config
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+            "f64": 8, "s64": 8, "u64": 8}
 # How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their
 # uint16 bits (XLA:CPU would widen a bfloat16 collective to float32).
 SHOWN_DTYPE = {"u16": "bf16 (as u16 bits)"}
@@ -48,7 +49,8 @@ class Collective:
 def array_bytes(shape: str) -> tuple[str, int]:
     """(dtype, bytes) of an HLO shape such as 'f32[16,64]{1,0}', or of a tuple of them."""
     arrays = _ARRAY.findall(shape)
-    return (arrays[0][0] if arrays else "?"), sum(math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE.get(t, 4) for t, dims in arrays)
+    return (arrays[0][0] if arrays else "?"), sum(
+        math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE.get(t, 4) for t, dims in arrays)
 
 
 def group_size(attributes: str) -> int:
@@ -90,7 +92,8 @@ def step_collectives(hlo_text: str) -> list[Collective]:
         runs[name] += times
         for inst in computations[name].instructions:
             for called in inst.calls:
-                if inst.opcode == "while" and inst.trip_count is None and any(_holds_collective(computations, called, ())):
+                if (inst.opcode == "while" and inst.trip_count is None
+                        and any(_holds_collective(computations, called, ()))):
                     raise ValueError(f"while loop {inst.name} runs collectives an unknown number of times")
                 visit(called, times * (inst.trip_count or 1) if inst.opcode == "while" else times, path + (name,))
 
@@ -140,10 +143,12 @@ def predicted_per_step(cfg: Config) -> dict[tuple[str, str], float]:
     v c + 1 times (attention.ring_attention_backward); XLA hoists the forward's passes of
     doc_start and row_position out of the layers' loop (they are the same for every layer).
     Norm gradients and the scalars are all-reduced. Collectives that send nothing are left out."""
-    h, (B, L), d, t, c = cfg.model, (cfg.training.tokens.batch, cfg.training.tokens.len), cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
+    h, (B, L), d, t, c = (cfg.model, (cfg.training.tokens.batch, cfg.training.tokens.len),
+                          cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
     M, Q, K, D, F, V = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab
     over_dc, over_t, over_c, over_all = (d * c - 1) / (d * c), (t - 1) / t, (c - 1) / c, (d * t * c - 1) / (d * t * c)
-    layer_weights = (2 * M * Q * K * D + 2 * M * K * D + 3 * M * F) / t  # elements per device once gathered over d and c
+    # elements per device once gathered over d and c
+    layer_weights = (2 * M * Q * K * D + 2 * M * K * D + 3 * M * F) / t
     tokens = B // d * L // c  # of one device
     residual, kv = tokens * M * 4, tokens * K // t * D  # f32 bytes of x gathered over t; elements of k (or v)
     ring = (c > 1) * h.layers  # ring_pass does nothing over one device
@@ -152,8 +157,10 @@ def predicted_per_step(cfg: Config) -> dict[tuple[str, str], float]:
         ("all-gather", "f32"): V / t * M * 4 * over_dc + (6 * h.layers + 2) * residual * over_t,
         ("all-gather", "u32"): B // d * L * 4 * over_c,  # whole_rows of the targets
         ("all-gather", "pred"): B // d * L * over_c,  # whole_rows of is_seq_start
-        ("reduce-scatter", "f32"): (h.layers * layer_weights + 2 * V / t * M) * 4 * over_dc + (4 * h.layers + 2) * residual * over_t,
-        ("all-reduce", "f32"): 2 * ((2 * h.layers + 1) * M * 4 * over_all + 3 * tokens * 4 * over_t + 4 * over_dc + 4 * over_all),
+        ("reduce-scatter", "f32"): (h.layers * layer_weights + 2 * V / t * M) * 4 * over_dc
+                                   + (4 * h.layers + 2) * residual * over_t,
+        ("all-reduce", "f32"): 2 * ((2 * h.layers + 1) * M * 4 * over_all + 3 * tokens * 4 * over_t
+                                    + 4 * over_dc + 4 * over_all),
         ("collective-permute", "u16"): ring * 2 * c * 2 * kv * 2,
         ("collective-permute", "u32"): (ring + (c > 1)) * c * (tokens + L // c) * 4,
         ("collective-permute", "f32"): ring * (c + 1) * 2 * kv * 4,
@@ -178,9 +185,12 @@ def report(title: str, measured: dict[tuple[str, str], float], predicted: dict[t
     for key in sorted(set(measured) | set(predicted)):
         m, p = measured.get(key, 0.0), predicted.get(key, 0.0)
         ratio = f"{m / p:.3f}" if p else "-"
-        lines.append(f"  {key[0]:<18} {SHOWN_DTYPE.get(key[1], key[1]):<20} {m / MiB:16.3f} MiB {p / MiB:8.3f} MiB {ratio:>14}")
+        lines.append(f"  {key[0]:<18} {SHOWN_DTYPE.get(key[1], key[1]):<20} {m / MiB:16.3f} MiB "
+                     f"{p / MiB:8.3f} MiB {ratio:>14}")
     total_m, total_p = sum(measured.values()), sum(predicted.values())
-    lines.append(f"  {'total':<39} {total_m / MiB:16.3f} MiB {total_p / MiB:8.3f} MiB {total_m / total_p if total_p else 0:14.3f}")
+    lines.append(f"  {'total':<39} {total_m / MiB:16.3f} MiB {total_p / MiB:8.3f} MiB "
+                 f"{total_m / total_p if total_p else 0:14.3f}")
     lines += ["", "Time to send the HLO's total at a link's bandwidth per device (no overlap with compute assumed):"]
-    lines += [f"  {name:<52} {bandwidth / 1e9:6.0f} GB/s  {total_m / bandwidth * 1e3:9.3f} ms" for name, bandwidth in LINK_BANDWIDTH]
+    lines += [f"  {name:<52} {bandwidth / 1e9:6.0f} GB/s  {total_m / bandwidth * 1e3:9.3f} ms"
+              for name, bandwidth in LINK_BANDWIDTH]
     return "\n".join(lines) + "\n"

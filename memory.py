@@ -42,7 +42,8 @@ def gathered_bytes(tree, axes: tuple[str, ...] = ("d", "c")) -> int:
     for x in jax.tree.leaves(tree):
         spec = x.sharding.spec
         if set(axes) & set(jax.tree.leaves(tuple(spec))):
-            gathered = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*(_without_axes(e, axes) for e in spec)))
+            gathered = jax.sharding.NamedSharding(
+                x.sharding.mesh, jax.sharding.PartitionSpec(*(_without_axes(e, axes) for e in spec)))
             total += math.prod(gathered.shard_shape(x.shape)) * x.dtype.itemsize
     return total
 
@@ -68,19 +69,23 @@ def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDty
     give the shardings of x [B, L, M], doc_start [B, L], RoPE's sin and cos [B, L, D/2] and
     row_position [L];
     `state` gives the stacked layer weights (arrays or ShapeDtypeStructs)."""
-    B, L, M, d, t, c = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
+    B, L, M, d, t, c = (cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model,
+                        cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
     lines = []
 
     def one_layer(w):  # the stacked weights without their leading `layers` axis
-        return jax.ShapeDtypeStruct(w.shape[1:], w.dtype, sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
+        return jax.ShapeDtypeStruct(w.shape[1:], w.dtype,
+                                    sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
 
     parameters = inspect.signature(layer).parameters
     def annotated(name, shape, dtype):  # noqa: E306
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
+        return jax.ShapeDtypeStruct(shape, dtype,
+                                    sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
 
     w = jax.tree.map(one_layer, state.weights.layers)
     rotation = [annotated(name, (B, L, cfg.model.d_head // 2), jnp.float32) for name in ("sin", "cos")]
-    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), *rotation, annotated("row_position", (L,), jnp.uint32))
+    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), *rotation,
+            annotated("row_position", (L,), jnp.uint32))
 
     def probe(*args):  # inside shard_map, so that the shapes are per device
         lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))
@@ -101,19 +106,21 @@ def residual_size(line: str) -> tuple[str, int]:
 
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
     """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
-    save_for_backward (or save_in_forward_rule) and the layer's input (the scan keeps it per layer). Its weights are left
-    out: they are slices of the stacked weights, counted once."""
+    save_for_backward (or save_in_forward_rule) and the layer's input (the scan keeps it per layer).
+    Its weights are left out: they are slices of the stacked weights, counted once."""
     kept = []
     for line in residual_lines:
         if f"named '{SAVED_NAME}'" in line:
             shape, size = residual_size(line)
-            kept.append((shape, size, "save_for_backward" + (" (a bf16 value's bits)" if shape.startswith("u16") else "")))
+            kept.append((shape, size,
+                         "save_for_backward" + (" (a bf16 value's bits)" if shape.startswith("u16") else "")))
         elif line.split(" from ")[-1] == f"the argument {input_name}":
             kept.append((*residual_size(line), "layer input"))
     return kept
 
 
-def memory_estimate(state, layers: int, layer_residuals: list[str], logits) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+def memory_estimate(state, layers: int, layer_residuals: list[str],
+                    logits) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
     """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
 
     `state` has the weights and Adam moments (fields weights, adam_mu, adam_nu) as arrays or
@@ -144,7 +151,8 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits) -> t
     w_k = state.weights.layers.w_k  # [layers, M, K, D] split as M/d/c K/t
     kv_elements = math.prod(logits.shape[:2]) * math.prod(w_k.sharding.shard_shape(w_k.shape)[2:])  # B/d L/c x K/t D
     if w_k.sharding.mesh.shape.get("c", 1) > 1:
-        terms.append(("ring attention: a shard of k and v in flight (bf16), and their f32 gradients", 2 * kv_elements * (2 + 2 * 4)))
+        terms.append(("ring attention: a shard of k and v in flight (bf16), and their f32 gradients",
+                      2 * kv_elements * (2 + 2 * 4)))
     return terms, saved
 
 
@@ -152,16 +160,19 @@ def compiled_peak_bytes(analysis) -> int:
     """Peak bytes per device of a compiled executable from its memory_analysis(). On CPU
     peak_memory_in_bytes leaves the temporaries out; what the executable allocates is the larger
     of it and arguments + outputs - aliased + temporaries."""
-    allocated = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
+    allocated = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+                 + analysis.temp_size_in_bytes)
     return max(allocated, getattr(analysis, "peak_memory_in_bytes", 0))
 
 
-def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits, title: str) -> tuple[str, float, float]:
+def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits,
+                  title: str) -> tuple[str, float, float]:
     """The memory report (text), the estimate and XLA's peak, in bytes per device: the terms of
     memory_estimate() next to compiled.memory_analysis()."""
     terms, saved = memory_estimate(state, layers, layer_residuals, logits)
     estimate = sum(size for _, size in terms)
-    lines = [f"Memory per device of the training step: {title}", "", "Estimate from the code's annotations (shardings of the types, save_for_backward):"]
+    lines = [f"Memory per device of the training step: {title}", "",
+             "Estimate from the code's annotations (shardings of the types, save_for_backward):"]
     for name, size in terms:
         lines.append(f"  {name:<76} {size / MiB:10.2f} MiB")
         if name.startswith("saved for backward"):
@@ -173,11 +184,13 @@ def memory_report(compiled, state, layers: int, layer_residuals: list[str], logi
         lines.append("  not available on this backend")
         return "\n".join(lines) + "\n", estimate, float("nan")
     fields = [("arguments", analysis.argument_size_in_bytes), ("outputs", analysis.output_size_in_bytes),
-              ("aliased (outputs written into donated arguments)", analysis.alias_size_in_bytes), ("temporaries", analysis.temp_size_in_bytes),
+              ("aliased (outputs written into donated arguments)", analysis.alias_size_in_bytes),
+              ("temporaries", analysis.temp_size_in_bytes),
               ("peak_memory_in_bytes", getattr(analysis, "peak_memory_in_bytes", 0))]
     lines += [f"  {name:<76} {size / MiB:10.2f} MiB" for name, size in fields]
     xla = compiled_peak_bytes(analysis)
-    lines.append(f"  {'peak: max(peak_memory_in_bytes, arguments + outputs - aliased + temporaries)':<76} {xla / MiB:10.2f} MiB")
+    lines.append(f"  {'peak: max(peak_memory_in_bytes, arguments + outputs - aliased + temporaries)':<76} "
+                 f"{xla / MiB:10.2f} MiB")
     lines += ["", f"estimate / XLA peak = {estimate / xla:.2f}"]
     return "\n".join(lines) + "\n", estimate, xla
 
@@ -205,6 +218,8 @@ def check_step_fits(compiled, mesh):
     sharing = len(jax.local_devices()) if device.platform == "cpu" else 1
     free = free_memory(device)
     if need * sharing > free:
-        raise ConfigError(f"the training step needs {need / 2**30:.2f} GiB per device beyond its state (XLA's memory_analysis(), memory_report.txt) "
-                          f"x {sharing} device(s) sharing memory, more than the {free / 2**30:.2f} GiB free on {device.platform}; "
+        raise ConfigError(f"the training step needs {need / 2**30:.2f} GiB per device beyond its state "
+                          "(XLA's memory_analysis(), memory_report.txt) "
+                          f"x {sharing} device(s) sharing memory, more than the {free / 2**30:.2f} GiB free on "
+                          f"{device.platform}; "
                           "lower training.tokens.batch or training.tokens.len, or use more devices")

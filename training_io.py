@@ -118,7 +118,8 @@ def peak_flops() -> tuple[float | None, str]:
         warn(f"no peak bf16 FLOP/s known for device kind {device.device_kind!r}: MFU is logged as null; "
              "add the device to training_io.PEAK_BF16_FLOPS")
         return None, f"unknown ({device.device_kind})"
-    return per_device * jax.device_count(), f"{jax.device_count()} x {device.device_kind} at {per_device / 1e12:.0f} TFLOP/s"
+    return (per_device * jax.device_count(),
+            f"{jax.device_count()} x {device.device_kind} at {per_device / 1e12:.0f} TFLOP/s")
 
 
 def flops_check(compiled, cfg, flops_per_token) -> str:
@@ -141,8 +142,9 @@ def flops_check(compiled, cfg, flops_per_token) -> str:
     one_layer = flops_per_token(dataclasses.replace(cfg.model, layers=1), seq_len) * tokens_per_step
     if not xla:
         return f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP; XLA gives no cost analysis on this backend"
-    return (f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); XLA cost_analysis "
-            f"{xla / 1e9:.4g} GFLOP = {xla / formula:.3f} x formula, {xla / one_layer:.3f} x formula with one layer (XLA counts a loop body once)")
+    return (f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); "
+            f"XLA cost_analysis {xla / 1e9:.4g} GFLOP = {xla / formula:.3f} x formula, "
+            f"{xla / one_layer:.3f} x formula with one layer (XLA counts a loop body once)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +191,8 @@ class RunLog:
         self.model_flops_per_token = flops_per_token(cfg.model, cfg.training.tokens.len)
         self.held_back = None  # (step, metrics) of the last dispatched step, not yet written
         # The first step after the first one of this process, so that nothing waits for a compile.
-        self.profiled = range(start + 1, min(start + 1 + profiled_steps, cfg.training.steps)) if self.writes else range(0)
+        self.profiled = (range(start + 1, min(start + 1 + profiled_steps, cfg.training.steps)) if self.writes
+                         else range(0))
         self.recent_step_times = collections.deque(maxlen=20)
         # A step's time runs from when it can start (its dispatch, or the end of the step before
         # if that is later) to when it ends (its scalars are read, or the profiler waited for it),
@@ -207,11 +210,13 @@ class RunLog:
         # On resume, purge_step hides the events of steps >= start that an earlier process wrote
         # after its last checkpoint: TensorBoard shows each step once, with the values of the
         # run that continued (metrics.jsonl keeps both lines).
-        self.tensorboard = tensorboardX.SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start or None, flush_secs=10,
-                                                      filename_suffix=f".step{start}.pid{os.getpid()}")
-        self.wandb = WandbLog(run_dir, cfg.logging, yaml.safe_load(resolved_yaml)) if cfg.logging.wandb_project else None
+        self.tensorboard = tensorboardX.SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start or None,
+                                                      flush_secs=10, filename_suffix=f".step{start}.pid{os.getpid()}")
+        self.wandb = (WandbLog(run_dir, cfg.logging, yaml.safe_load(resolved_yaml)) if cfg.logging.wandb_project
+                      else None)
         self.peak, source = peak_flops()
-        self.print(f"peak bf16 FLOP/s for MFU: {source}: " + (f"{self.peak / 1e12:.4g} TFLOP/s" if self.peak else "unknown, MFU is null"))
+        self.print(f"peak bf16 FLOP/s for MFU: {source}: "
+                   + (f"{self.peak / 1e12:.4g} TFLOP/s" if self.peak else "unknown, MFU is null"))
 
     def print(self, text: str):
         if self.writes:
@@ -251,7 +256,8 @@ class RunLog:
         # Rendered in the background at the lowest priority, so that it takes no CPU from the
         # steps (on a 2-core machine it held one core for 15-30 s of the first steps); close()
         # waits for it, when the steps no longer need the CPU.
-        self.dot_process = subprocess.Popen(["dot", "-Tsvg", path("dot"), "-o", path("svg")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.dot_process = subprocess.Popen(["dot", "-Tsvg", path("dot"), "-o", path("svg")],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             os.setpriority(os.PRIO_PROCESS, self.dot_process.pid, 19)
         except ProcessLookupError:  # it has already finished
@@ -259,7 +265,8 @@ class RunLog:
 
     def mesh_title(self) -> str:
         """The reports' title: the mesh and the devices."""
-        return f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, {jax.device_count()} x {jax.devices()[0].device_kind}"
+        return (f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, "
+                f"{jax.device_count()} x {jax.devices()[0].device_kind}")
 
     def memory_report(self, compiled, state, mesh, layer):
         """Prints the memory report and writes memory_report.txt (memory.py; see
@@ -267,7 +274,8 @@ class RunLog:
         if not self.writes:
             return
         title = self.mesh_title()
-        text, _, _ = memory.memory_report(compiled, state, self.cfg.model.layers, *memory.memory_annotations(self.cfg, mesh, state, layer), title)
+        text, _, _ = memory.memory_report(compiled, state, self.cfg.model.layers,
+                                          *memory.memory_annotations(self.cfg, mesh, state, layer), title)
         self.print(text.rstrip())
         self.write("memory_report.txt", text)
 
@@ -370,8 +378,9 @@ class RunLog:
             except subprocess.TimeoutExpired:
                 self.dot_process.kill()
                 self.dot_process.communicate()
-                warn(f"graphviz's dot did not finish training_step.svg within {DOT_WAIT_SECONDS} s of the run's end and was stopped; "
-                     f"render it with `dot -Tsvg {os.path.join(self.run_dir, 'training_step.dot')} -o training_step.svg`")
+                warn(f"graphviz's dot did not finish training_step.svg within {DOT_WAIT_SECONDS} s of the run's end "
+                     "and was stopped; render it with "
+                     f"`dot -Tsvg {os.path.join(self.run_dir, 'training_step.dot')} -o training_step.svg`")
         self.tensorboard.close()
         self.metrics_file.close()
         if self.wandb is not None:

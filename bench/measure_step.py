@@ -1,7 +1,8 @@
 """One config's training step measured in this process: compile time, step times after warm-up,
 tokens/s, MFU and peak memory per device, written as one row of bench/throughput.py's table.
 
-    .venv/bin/python -m bench.measure_step --config NAME --row-file ROW.json [--steps 10] [--warmup 3] [-- key=value ...]
+    .venv/bin/python -m bench.measure_step --config NAME --row-file ROW.json [--steps 10] [--warmup 3]
+        [-- key=value ...]
 
 bench/throughput.py runs this once per config, each in a process of its own; run it alone to
 see one config's progress and traceback. Every failure becomes a "failed" row with the error's
@@ -39,7 +40,8 @@ def random_batch(cfg: config.Config, mesh):
     rng = np.random.default_rng(0)
     # Rows over d, positions over c (position 0 comes first in the zigzag layout too); a mesh
     # without c is an older commit's, which bench/compare_commits.py runs.
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c" if "c" in mesh.axis_names else None))
+    sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("d", "c" if "c" in mesh.axis_names else None))
     targets = jax.device_put(rng.integers(1, cfg.model.vocab, (B, L)).astype(np.uint32), sharding)
     starts = jax.device_put(np.arange(L)[None, :].repeat(B, 0) == 0, sharding)
     mask = jax.device_put(np.ones((B, L), bool), sharding)
@@ -49,7 +51,8 @@ def random_batch(cfg: config.Config, mesh):
 def time_steps(cfg: config.Config, steps: int, warmup: int):
     """Compiles the training step ahead of time, then times warmup + steps steps.
     Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
-    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=jax.devices()[: cfg.mesh.d * cfg.mesh.t * cfg.mesh.c])
+    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c,
+                           devices=jax.devices()[: cfg.mesh.d * cfg.mesh.t * cfg.mesh.c])
     batch = random_batch(cfg, mesh)
     times = []
     with jax.set_mesh(mesh):
@@ -93,7 +96,8 @@ def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
     row.tokens_per_second = row.tokens_per_step / row.step_time_median_s
     row.peak_memory_bytes, row.peak_memory_source = peak_memory(compiled)
     peak, peak_source = training_io.peak_flops()  # on CPU a measurement: after the steps, so that it does not slow them
-    row.mfu = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * row.tokens_per_second / peak if peak else None
+    row.mfu = (train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * row.tokens_per_second / peak
+               if peak else None)
     row.note = f"MFU of {peak / 1e12:.3g} TFLOP/s: {peak_source}" if peak else f"no peak FLOP/s known: {peak_source}"
     return row
 

@@ -35,7 +35,8 @@ GiB = 2**30
 def abstract_state(cfg: config.Config, mesh) -> train.State:
     """The training state as ShapeDtypeStructs with their shardings on `mesh`."""
     state = jax.eval_shape(lambda: train.init_state(cfg, mesh))
-    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state, make_shardings(train.State, mesh))
+    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state,
+                        make_shardings(train.State, mesh))
 
 
 def parameter_count(state: train.State) -> int:
@@ -46,12 +47,14 @@ def config_mesh(cfg: config.Config):
     """The config's (d, t, c) mesh on the first d*t*c devices of this machine."""
     needed = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
     if needed > jax.device_count():
-        raise SystemExit(f"mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c} needs {needed} devices, this machine has {jax.device_count()}; "
+        raise SystemExit(f"mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c} needs {needed} devices, "
+                         f"this machine has {jax.device_count()}; "
                          f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={needed}")
     return train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=jax.devices()[:needed])
 
 
-def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
+def accelerator_estimate(cfg: config.Config,
+                         mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
     """training_io's memory estimate per device of a GPU or TPU (its terms), from shapes alone
     (no compilation), with the abstract state, layer residuals and logits it came from."""
     with jax.set_mesh(mesh):
@@ -69,11 +72,13 @@ def measure(name: str, overrides: list[str], report: bool, communication_report:
     with jax.set_mesh(mesh):
         compiled = train.compile_training_step(cfg, state, mesh)
     if report:
-        title = f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}, compiled for {jax.devices()[0].device_kind}"
+        title = (f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}, "
+                 f"compiled for {jax.devices()[0].device_kind}")
         print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
     if communication_report:
         measured = communication.totals(communication.step_collectives(compiled.as_text()))
-        print(communication.report(f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", measured, communication.predicted_per_step(cfg)))
+        print(communication.report(f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", measured,
+                                   communication.predicted_per_step(cfg)))
     return {
         "config": name,
         "parameters": parameter_count(state),
@@ -91,7 +96,8 @@ def main(argv=None):
     parser.add_argument("--communication", action="store_true", help="print each config's communication report")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --")
     args = parser.parse_args(argv)
-    print(f"{'config':<14} {'parameters':>15} {'mesh':>9} {'batch':>11} {'estimate':>12} {'XLA:CPU peak':>13}  (per device)")
+    print(f"{'config':<14} {'parameters':>15} {'mesh':>9} {'batch':>11} {'estimate':>12} {'XLA:CPU peak':>13}"
+          "  (per device)")
     for name in args.config:
         row = measure(name, args.overrides, args.report, args.communication)
         sizes = f"{row['estimate_gib']:>8.1f} GiB {row['xla_cpu_peak_gib']:>9.1f} GiB"

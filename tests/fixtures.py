@@ -21,10 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Every weight dimension that a mesh axis splits divides 8, so every mesh of 8 devices fits.
 TINY = [
-    "model.d_model=64", "model.n_q_per_kv=2", "model.n_kv=8", "model.d_head=8", "model.d_ff=128", "model.layers=2", "model.vocab=256",
-    "model.attention_block=8",
-    "training.tokens.batch=8", "training.tokens.len=16", "training.steps=20", "training.warmup_steps=4", "training.learning_rate=1e-2",
-    "training.weight_decay=0.1",
+    "model.d_model=64", "model.n_q_per_kv=2", "model.n_kv=8", "model.d_head=8", "model.d_ff=128", "model.layers=2",
+    "model.vocab=256", "model.attention_block=8",
+    "training.tokens.batch=8", "training.tokens.len=16", "training.steps=20", "training.warmup_steps=4",
+    "training.learning_rate=1e-2", "training.weight_decay=0.1",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -69,7 +69,8 @@ def put_batch(mesh, batch):
     """Host arrays [B, L] on `mesh` as the loader places them: rows split over d, and each row's
     positions over c in the zigzag order (data_loader.zigzag_order)."""
     order = zigzag_order(batch[0].shape[1], mesh.shape["c"])
-    return jax.device_put(tuple(x[:, order] for x in batch), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c")))
+    return jax.device_put(tuple(x[:, order] for x in batch),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c")))
 
 
 def forward_logits(h: config.ModelConfig):
@@ -88,15 +89,18 @@ def perturbed_weights(cfg: config.Config) -> train.Model:
     """Initial weights with norm gains moved off 1, so that their gradients mean something."""
     w = train.init_weights(cfg.model, jax.random.key(0))
     key = jax.random.key(1)
-    bump = lambda x, name: x + 0.2 * jax.random.normal(jax.random.fold_in(key, sum(map(ord, name))), x.shape)  # noqa: E731
-    layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"), "ffn_norm": bump(w.layers.ffn_norm, "f")})
+    bump = lambda x, name: x + 0.2 * jax.random.normal(  # noqa: E731
+        jax.random.fold_in(key, sum(map(ord, name))), x.shape)
+    layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"),
+                            "ffn_norm": bump(w.layers.ffn_norm, "f")})
     return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
 
 
 def abstract_state(cfg: config.Config, mesh) -> train.State:
     """The state's shapes, dtypes and shardings on `mesh`, without any array."""
     state = jax.eval_shape(lambda: train.init_state(cfg, mesh))
-    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state, make_shardings(train.State, mesh))
+    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state,
+                        make_shardings(train.State, mesh))
 
 
 def random_state(cfg: config.Config, mesh) -> train.State:
@@ -106,7 +110,9 @@ def random_state(cfg: config.Config, mesh) -> train.State:
 
     def draw(part: str):
         positive = np.abs if part == "adam_nu" else np.asarray
-        return jax.tree.map(lambda s: jax.device_put(positive(0.05 * rng.standard_normal(s.shape)).astype(np.float32), s.sharding), getattr(state, part))
+        return jax.tree.map(
+            lambda s: jax.device_put(positive(0.05 * rng.standard_normal(s.shape)).astype(np.float32), s.sharding),
+            getattr(state, part))
 
     return train.State(draw("weights"), draw("adam_mu"), draw("adam_nu"))
 
@@ -155,29 +161,33 @@ def child_env(devices: int | None = 8, cache=None, graph: bool = True) -> dict:
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     if cache is not None:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     if not graph:
-        env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep) if d and not os.path.exists(os.path.join(d, "dot")))
+        env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
+                                      if d and not os.path.exists(os.path.join(d, "dot")))
     return env
 
 
-def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600, graph: bool = True) -> subprocess.CompletedProcess:
+def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600,
+              graph: bool = True) -> subprocess.CompletedProcess:
     """`python -m train ARGS` to its end, its output captured as text (`graph`: see child_env)."""
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def start_train(args: list[str], devices: int = 8, cache=None, graph: bool = True, **popen) -> subprocess.Popen:
     """`python -m train ARGS` started in the background (Popen keywords in `popen`; `graph`: see child_env)."""
-    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph), **popen)
+    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph),
+                            **popen)
 
 
 def run_processes(script: str, n: int, *args: str, timeout: int = 120) -> list[str]:
     """tests/SCRIPT as the n processes of one jax.distributed run on 127.0.0.1 (each gets the
     arguments PORT N PROCESS_ID ARGS...); asserts that every one exits 0; their outputs."""
     port, path = free_port(), os.path.join(ROOT, "tests", script)
-    processes = [subprocess.Popen([sys.executable, path, str(port), str(n), str(i), *args], env=child_env(None), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for i in range(n)]
+    processes = [subprocess.Popen([sys.executable, path, str(port), str(n), str(i), *args], env=child_env(None),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
     outputs = [p.communicate(timeout=timeout)[0] for p in processes]
     assert all(p.returncode == 0 for p in processes), outputs
     return outputs

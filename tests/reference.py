@@ -62,7 +62,8 @@ def sequence_losses(w, cfg, tokens, starts):
         h = norm(x, layer["ffn_norm"], cfg["norm_eps"]).astype(bf16)
         g = mm(h, layer["w_gate"]).astype(bf16)
         u = mm(h, layer["w_up"]).astype(bf16)
-        x = x + mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["w_down"])  # in float32, rounded once, as train.py
+        # in float32, rounded once, as train.py
+        x = x + mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["w_down"])
     h = norm(x, w["final_norm"], cfg["norm_eps"])
     logp = jax.nn.log_softmax(mm(h, w["unembed"]), axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]

@@ -55,13 +55,16 @@ def test_causal_document_mask_on_a_small_example():
         [0, 0, 0, 1, 1, 0],
         [0, 0, 0, 1, 1, 1],
     ]
-    np.testing.assert_array_equal(np.asarray(attention.causal_document_mask(position, position, doc_start, doc_start))[0], np.array(expected, bool))
+    np.testing.assert_array_equal(
+        np.asarray(attention.causal_document_mask(position, position, doc_start, doc_start))[0],
+        np.array(expected, bool))
 
 
 def blockwise(q, k, v, doc_start, block: int):
     """attention.ring_attention on one device, whose ring is its own keys: the blockwise kernel."""
     row_position = jnp.arange(q.shape[1], dtype=jnp.uint32)
-    attend = jax.shard_map(lambda q, k, v, s: attention.ring_attention(q, k, v, s, row_position, block), mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
+    attend = jax.shard_map(lambda q, k, v, s: attention.ring_attention(q, k, v, s, row_position, block),
+                           mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
     return attend(q, k, v, doc_start)
 
 
@@ -77,7 +80,8 @@ def rel_error(x, y) -> float:
 
 
 # Blocks of 8 with skipped key blocks and one block of 64 in the fast tier; the rest in the slow one.
-@pytest.mark.parametrize("block,common_starts", [pytest.param(8, (), marks=pytest.mark.slow), pytest.param(16, (), marks=pytest.mark.slow),
+@pytest.mark.parametrize("block,common_starts", [pytest.param(8, (), marks=pytest.mark.slow),
+                                                 pytest.param(16, (), marks=pytest.mark.slow),
                                                  (64, ()), (8, (24, 40))])
 def test_blockwise_equals_dense_in_float32(block, common_starts):
     """Same math as dense attention: in float32 the output and every gradient agree to 1e-5
@@ -85,7 +89,8 @@ def test_blockwise_equals_dense_in_float32(block, common_starts):
     and 40 in every row, query blocks 3-4 skip key blocks 0-2 and blocks 5-7 skip blocks 0-4."""
     q, k, v, doc_start = inputs(block, jnp.float32, common_starts)
     cotangent = jnp.asarray(np.random.default_rng(99).normal(size=(B, L, Q, K, D)))
-    by_blocks = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, block), *a))(q, k, v, doc_start, cotangent)
+    by_blocks = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, block), *a))(
+        q, k, v, doc_start, cotangent)
     reference = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
     for name, x, y in zip(["output", "dq", "dk", "dv"], by_blocks, reference):
         assert x.dtype == jnp.float32
@@ -99,7 +104,8 @@ def test_key_blocks_before_every_documents_start_are_skipped():
     starts[:, [0, 24, 40]] = True
     starts[1, 50] = True
     positions = jnp.arange(L, dtype=jnp.uint32).reshape(-1, 8)
-    first, stop = attention.key_blocks_to_visit(attention.to_blocks(document_starts(starts), 8), positions, positions, 8)
+    first, stop = attention.key_blocks_to_visit(attention.to_blocks(document_starts(starts), 8), positions,
+                                                positions, 8)
     np.testing.assert_array_equal(np.asarray(first), [0, 0, 0, 3, 3, 5, 5, 5])
     np.testing.assert_array_equal(np.asarray(stop - first), [1, 2, 3, 1, 2, 1, 2, 3])
 
@@ -110,8 +116,10 @@ def test_blockwise_in_bfloat16_is_as_close_to_exact_as_dense():
     (float32) result than dense attention in bfloat16 is, up to a small factor."""
     q, k, v, doc_start = inputs(3, jnp.bfloat16)
     cotangent = jnp.asarray(np.random.default_rng(5).normal(size=(B, L, Q, K, D)))
-    exact = jax.jit(lambda *a: output_and_gradients(dense, *a))(*(x.astype(jnp.float32) for x in (q, k, v)), doc_start, cotangent)
-    by_blocks = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, 16), *a))(q, k, v, doc_start, cotangent)
+    exact = jax.jit(lambda *a: output_and_gradients(dense, *a))(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                                                doc_start, cotangent)
+    by_blocks = jax.jit(lambda *a: output_and_gradients(lambda q, k, v, d: blockwise(q, k, v, d, 16), *a))(
+        q, k, v, doc_start, cotangent)
     dense_bf16 = jax.jit(lambda *a: output_and_gradients(dense, *a))(q, k, v, doc_start, cotangent)
     for name, x, y, e in zip(["output", "dq", "dk", "dv"], by_blocks, dense_bf16, exact):
         assert x.dtype == jnp.bfloat16
@@ -141,8 +149,10 @@ def test_blockwise_on_a_mesh_equals_unsharded():
 
     @jax.jit
     @typed_shard_map
-    def sharded(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], doc_start: u32[b"B/d L"]) -> f32[b"B/d L Q K/t D"]:
-        o, pullback = jax.vjp(lambda q: attention.ring_attention(q, k, v, doc_start, jnp.arange(L, dtype=jnp.uint32), 16), q)
+    def sharded(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"],
+                doc_start: u32[b"B/d L"]) -> f32[b"B/d L Q K/t D"]:
+        o, pullback = jax.vjp(
+            lambda q: attention.ring_attention(q, k, v, doc_start, jnp.arange(L, dtype=jnp.uint32), 16), q)
         return o.astype(jnp.float32) + pullback(o)[0].astype(jnp.float32)
 
     with jax.set_mesh(make_mesh(4, 2)):
@@ -161,6 +171,7 @@ def test_forward_refuses_a_length_that_is_not_whole_blocks():
     cfg = tiny_config()
     weights = jax.eval_shape(lambda: train.init_weights(cfg.model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.uint32)
-    forward = jax.shard_map(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool)), mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
+    forward = jax.shard_map(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool)),
+                            mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
     with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide training.tokens.len=12"):
         jax.eval_shape(forward, weights, tokens)

@@ -22,14 +22,16 @@ from bench import compare_commits, measure_step, memory, throughput
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = ["gpu1_125m", "gpu1_350m", "gpu1_1b", "gpu1_2b", "gpu8_125m", "gpu8_350m", "gpu8_1b", "gpu8_2b", "tpu8_1b"]
 # local_test_synthetic shrunk to a few seconds of work on one CPU device.
-TINY_ONE_DEVICE = "mesh.d=1 mesh.t=1 model.layers=1 training.tokens.batch=4 training.tokens.len=32 model.attention_block=16"
+TINY_ONE_DEVICE = ("mesh.d=1 mesh.t=1 model.layers=1 training.tokens.batch=4 training.tokens.len=32 "
+                   "model.attention_block=16")
 
 
 def run_gpu_sh(tmp_path, **env):
     """bench/gpu/gpu.sh with this test's Python, no wheels folder and the given variables."""
     full_env = {**os.environ, "PYTHON": sys.executable, "SEQAX_BENCH_WHEELS": str(tmp_path / "no_wheels"), **env}
     started = time.monotonic()
-    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "gpu.sh")], env=full_env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu", "gpu.sh")], env=full_env, capture_output=True,
+                            text=True, timeout=240)
     return result, time.monotonic() - started
 
 
@@ -46,9 +48,11 @@ def assert_fails_fast_with_one_line(result, seconds, *phrases):
 @pytest.mark.slow
 def test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row(tmp_path):
     rows_file = tmp_path / "rows.json"
-    result, _ = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", SEQAX_BENCH_CONFIGS="local_test_synthetic", SEQAX_BENCH_OVERRIDES=TINY_ONE_DEVICE,
-                           SEQAX_BENCH_STEPS="2", SEQAX_BENCH_WARMUP="1", SEQAX_BENCH_JSON=str(rows_file),
-                           # XLA's backend optimizations off: half the compile time; this checks the plumbing, not the speed.
+    result, _ = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", SEQAX_BENCH_CONFIGS="local_test_synthetic",
+                           SEQAX_BENCH_OVERRIDES=TINY_ONE_DEVICE, SEQAX_BENCH_STEPS="2", SEQAX_BENCH_WARMUP="1",
+                           SEQAX_BENCH_JSON=str(rows_file),
+                           # XLA's backend optimizations off: half the compile time; this checks the plumbing,
+                           # not the speed.
                            XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
     assert result.returncode == 0, result.stderr
     [row] = json.loads(rows_file.read_text())
@@ -72,7 +76,8 @@ def test_gpu_sh_fails_fast_naming_a_missing_package(tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'hydra'\", name='hydra')\n")
     result, seconds = run_gpu_sh(tmp_path, SEQAX_BENCH_ALLOW_CPU="1", PYTHONPATH=str(tmp_path / "site"))
-    assert_fails_fast_with_one_line(result, seconds, "hydra-core", "is missing", "no_wheels is absent", "bench/gpu/gpu_wheels.sh")
+    assert_fails_fast_with_one_line(result, seconds, "hydra-core", "is missing", "no_wheels is absent",
+                                    "bench/gpu/gpu_wheels.sh")
 
 
 @pytest.mark.slow
@@ -112,18 +117,22 @@ def test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure(tmp_path):
 
 
 def run_throughput(*args):
-    return subprocess.run([sys.executable, "-m", "bench.throughput", *args], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "-m", "bench.throughput", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
 
 
 @pytest.mark.slow
 def test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config(tmp_path):
     """8 devices (conftest): gpu1_125m's 1x1 mesh is skipped; a batch that mesh.d=4 does not
     divide fails with the config error's fix; the table still comes, with both rows."""
-    result = run_throughput("--config", "gpu1_125m", "local_test_synthetic", "--json", str(tmp_path / "rows.json"), "--", "training.tokens.batch=3")
+    result = run_throughput("--config", "gpu1_125m", "local_test_synthetic", "--json", str(tmp_path / "rows.json"),
+                            "--", "training.tokens.batch=3")
     assert result.returncode == 0, result.stderr
     skipped, failed = json.loads((tmp_path / "rows.json").read_text())
-    assert skipped["status"] == "skipped" and skipped["note"] == "its mesh is for 1 device(s), this machine has 8", skipped
-    assert failed["status"] == "failed" and "ConfigError" in failed["note"] and "training.tokens.batch=3" in failed["note"], failed
+    assert (skipped["status"] == "skipped"
+            and skipped["note"] == "its mesh is for 1 device(s), this machine has 8"), skipped
+    assert (failed["status"] == "failed" and "ConfigError" in failed["note"]
+            and "training.tokens.batch=3" in failed["note"]), failed
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 4 and lines[2].startswith("| gpu1_125m ") and lines[3].startswith("| local_test_synthetic ")
 
@@ -131,12 +140,14 @@ def test_throughput_rows_for_a_mesh_that_does_not_fit_and_a_bad_config(tmp_path)
 def test_a_mesh_with_c_counts_its_devices():
     """mesh.c multiplies the devices a config needs: on 8 devices a 1x1x4 mesh is skipped, named with its c."""
     row = measure_step.measure("local_test_synthetic", ["mesh.d=1", "mesh.t=1", "mesh.c=4"], steps=1, warmup=0)
-    assert (row.status, row.mesh, row.note) == ("skipped", "d=1 t=1 c=4", "its mesh is for 4 device(s), this machine has 8"), row
+    assert (row.status, row.mesh, row.note) == ("skipped", "d=1 t=1 c=4",
+                                                "its mesh is for 4 device(s), this machine has 8"), row
 
 
 def test_throughput_timeout_and_budget_become_rows(tmp_path):
     started = time.monotonic()
-    result = run_throughput("--config", "local_test_synthetic", "local_bench_cpu", "--timeout", "1", "--budget", "1", "--json", str(tmp_path / "rows.json"))
+    result = run_throughput("--config", "local_test_synthetic", "local_bench_cpu", "--timeout", "1", "--budget", "1",
+                            "--json", str(tmp_path / "rows.json"))
     assert result.returncode == 0, result.stderr
     timed_out, not_run = json.loads((tmp_path / "rows.json").read_text())
     assert timed_out["status"] == "timeout" and timed_out["note"].startswith("no result within 1 s"), timed_out
@@ -145,7 +156,8 @@ def test_throughput_timeout_and_budget_become_rows(tmp_path):
 
 
 def test_table_escapes_cells_and_keeps_columns():
-    rows = [throughput.Row(config="a", status="failed", note="x | y"), throughput.Row(config="b", status="not run", note="budget")]
+    rows = [throughput.Row(config="a", status="failed", note="x | y"),
+            throughput.Row(config="b", status="not run", note="budget")]
     lines = throughput.table(rows).splitlines()
     assert len(lines) == 4 and "x \\| y" in lines[2]
     assert len({len(line) for line in lines}) == 1  # padded to the same widths
@@ -161,7 +173,8 @@ def independent_parameter_count(m: config.ModelConfig) -> int:
     """Embedding, unembedding and final norm, then per layer two norms, q and o (M x heads x D),
     k and v (M x kv heads x D) and SwiGLU's three M x F matrices."""
     heads = m.n_q_per_kv * m.n_kv
-    per_layer = 2 * m.d_model + 2 * m.d_model * heads * m.d_head + 2 * m.d_model * m.n_kv * m.d_head + 3 * m.d_model * m.d_ff
+    per_layer = (2 * m.d_model + 2 * m.d_model * heads * m.d_head + 2 * m.d_model * m.n_kv * m.d_head
+                 + 3 * m.d_model * m.d_ff)
     return 2 * m.vocab * m.d_model + m.d_model + m.layers * per_layer
 
 
@@ -185,7 +198,8 @@ def test_compare_commits_times_a_commit_against_this_checkout():
     to this checkout's, and alternates their steps: against HEAD it prints both step times, the
     ratio and both memories. The base's missing keys are dropped (HEAD has them all, so none here)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    command = [sys.executable, "-m", "bench.compare_commits", "--base", "HEAD", "--rounds", "2", "--", *TINY_ONE_DEVICE.split()]
+    command = [sys.executable, "-m", "bench.compare_commits", "--base", "HEAD", "--rounds", "2", "--",
+               *TINY_ONE_DEVICE.split()]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
     assert re.search(r"step time median: base \(HEAD\) \d+ ms, this checkout \d+ ms", result.stdout), result.stdout
@@ -201,12 +215,14 @@ def test_compare_commits_imports_the_base_with_its_own_modules(tmp_path):
     base = compare_commits.load_train_at("HEAD", str(tmp_path))
     assert base is not train and base.training_io is not training_io and base.Config is not config.Config
     assert base.__file__.startswith(str(tmp_path)) and base.training_io.__file__.startswith(str(tmp_path))
-    assert sys.modules["train"] is train and sys.modules["training_io"] is training_io and sys.modules["config"] is config
+    assert (sys.modules["train"] is train and sys.modules["training_io"] is training_io
+            and sys.modules["config"] is config)
 
 
 @pytest.mark.slow
 def test_compare_commits_names_a_commit_that_does_not_exist():
-    result = subprocess.run([sys.executable, "-m", "bench.compare_commits", "--base", "no-such-commit"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "bench.compare_commits", "--base", "no-such-commit"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "cannot read train.py at 'no-such-commit'" in result.stderr
 
@@ -214,7 +230,8 @@ def test_compare_commits_names_a_commit_that_does_not_exist():
 def test_throughput_takes_its_child_along_when_terminated():
     """SIGTERM to bench/throughput.py while a config runs ends the child process too (on a GPU
     an orphan would keep its memory)."""
-    command = [sys.executable, "-m", "bench.throughput", "--config", "local_test_synthetic", "--steps", "100000", "--", *TINY_ONE_DEVICE.split()]
+    command = [sys.executable, "-m", "bench.throughput", "--config", "local_test_synthetic", "--steps", "100000", "--",
+               *TINY_ONE_DEVICE.split()]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     parent = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

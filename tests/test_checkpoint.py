@@ -25,7 +25,18 @@ import sharded_zarr
 import train
 from checkpoint import Checkpointer
 from config import CheckpointConfig, CheckpointError, ConfigError
-from fixtures import make_mesh, put_batch, random_batch, random_state, run_processes, start_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
+from fixtures import (
+    make_mesh,
+    put_batch,
+    random_batch,
+    random_state,
+    run_processes,
+    start_train,
+    synthetic_dataset,
+    tiny_config,
+    tiny_overrides,
+    train_args,
+)
 from shardlib.shardtypes import make_shardings
 
 
@@ -69,11 +80,13 @@ def test_round_trip_is_bitwise_on_any_mesh(tmp_path, compression, monkeypatch):
     for d, t in [(4, 2), (2, 4), (1, 1)]:
         step, tree = checkpointer.restore(*targets_on(values, make_mesh(d, t)))
         assert step == 3 and host_bytes(tree) == value_bytes(values), (d, t)
-        assert tree["weights"]["b"].dtype == jnp.bfloat16 and tree["weights"]["b"].sharding.mesh.shape == {"d": d, "c": 1, "t": t}
+        assert (tree["weights"]["b"].dtype == jnp.bfloat16
+                and tree["weights"]["b"].sharding.mesh.shape == {"d": d, "c": 1, "t": t})
     checkpointer.close()
     # What any zarr reader sees: bf16 as uint16 plus its name, one chunk per shard of the 4x2 mesh.
     group = zarr.open_group(str(tmp_path / "0000000003"), mode="r")
-    assert {k: group.attrs[k] for k in ("step", "format_version", "write_completed")} == {"step": 3, "format_version": 1, "write_completed": True}
+    assert ({k: group.attrs[k] for k in ("step", "format_version", "write_completed")}
+            == {"step": 3, "format_version": 1, "write_completed": True})
     b = group["weights.b"]
     assert b.dtype == np.uint16 and b.attrs["dtype"] == "bfloat16" and b.chunks == (8, 4)
     assert b[:].tobytes() == values["weights"]["b"][0].tobytes()  # zarr checks every CRC32C as it reads
@@ -98,7 +111,8 @@ def test_restore_on_other_meshes_continues_training(tmp_path):
     expected_bytes, expected_loss = host_bytes(state), next_loss(state, mesh)
     for d, t in [(8, 1), (2, 4), (1, 1)]:
         mesh = make_mesh(d, t)
-        step, restored = checkpointer.restore(jax.eval_shape(lambda m=mesh: train.init_state(cfg, m)), make_shardings(train.State, mesh))
+        step, restored = checkpointer.restore(jax.eval_shape(lambda m=mesh: train.init_state(cfg, m)),
+                                              make_shardings(train.State, mesh))
         assert step == 7 and host_bytes(restored) == expected_bytes, (d, t)
         loss = next_loss(restored, mesh)
         assert abs(loss - expected_loss) <= 1e-4 * abs(expected_loss), (d, t, loss, expected_loss)
@@ -119,7 +133,8 @@ def test_two_processes_save_and_restore(tmp_path):
     assert [n for n in os.listdir(tmp_path / "0000000003") if n.startswith(".")] == []  # the commit markers are gone
     group = zarr.open_group(str(tmp_path / "0000000003"), mode="r")
     assert group["weights.w"].shards == (4, 4) and group["weights.w"].chunks == (2, 2)  # one file per process
-    assert group["interleaved"].shards is None and group["interleaved"].chunks == (2, 4)  # alternate rows: a file per chunk
+    assert (group["interleaved"].shards is None
+            and group["interleaved"].chunks == (2, 4))  # alternate rows: a file per chunk
     assert sorted(os.listdir(tmp_path / "0000000003" / "weights.w" / "c")) == ["0", "1"]
 
 
@@ -148,7 +163,8 @@ def unlist_a_chunk(path):
     open(path, "wb").write(bytes(data))
 
 
-DAMAGES = [("none", garble), ("none", truncate), ("none", os.remove), ("none", unlist_a_chunk), ("zstd", garble), ("zstd", truncate), ("zstd", unlist_a_chunk)]
+DAMAGES = [("none", garble), ("none", truncate), ("none", os.remove), ("none", unlist_a_chunk),
+           ("zstd", garble), ("zstd", truncate), ("zstd", unlist_a_chunk)]
 
 
 @pytest.mark.parametrize("compression,damage", DAMAGES)
@@ -170,7 +186,8 @@ def test_every_checkpoint_damaged_is_an_error(tmp_path):
     values = sample_values()
     checkpointer = saved(tmp_path, values, steps=[1])
     garble(str(tmp_path / "0000000001" / "norm" / "c" / "0"))
-    with pytest.warns(UserWarning, match="0000000001 is damaged"), pytest.raises(CheckpointError, match="every committed checkpoint"):
+    with (pytest.warns(UserWarning, match="0000000001 is damaged"),
+          pytest.raises(CheckpointError, match="every committed checkpoint")):
         checkpointer.restore(*targets_on(values, make_mesh(4, 2)))
     checkpointer.close()
 
@@ -228,7 +245,8 @@ def test_bad_config_is_refused():
 def each_write(monkeypatch, wrap):
     """Every file write of a checkpoint (the jobs of sharded_zarr.write_jobs) runs as `wrap(job)`."""
     write_jobs = sharded_zarr.write_jobs
-    monkeypatch.setattr(sharded_zarr, "write_jobs", lambda *args, **kw: [[partial(wrap, job) for job in file] for file in write_jobs(*args, **kw)])
+    monkeypatch.setattr(sharded_zarr, "write_jobs",
+                        lambda *args, **kw: [[partial(wrap, job) for job in file] for file in write_jobs(*args, **kw)])
 
 
 def test_save_returns_before_the_write_and_owns_its_copy(tmp_path, monkeypatch):
@@ -255,7 +273,8 @@ def test_failed_background_write_stops_training(tmp_path, monkeypatch):
     checkpointer = Checkpointer(str(tmp_path), checkpoint_config())
     checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
     # One line for the user (a SeqaxError), naming the cause, the file and what is intact.
-    message = r"failed: No space left on device \(/a/chunk\); no checkpoint was committed; fix the cause and run the same command again"
+    message = (r"failed: No space left on device \(/a/chunk\); no checkpoint was committed; "
+               r"fix the cause and run the same command again")
     with pytest.raises(CheckpointError, match=message):
         for _ in range(1000):  # the loop calls check() every step
             checkpointer.check()
@@ -271,9 +290,12 @@ STEPS, INTERVAL = 24, 3
 
 
 def train_process(root, dataset, name, cache, *changes: str) -> subprocess.Popen:
-    overrides = tiny_overrides(f"training.steps={STEPS}", f"checkpoint_interval={INTERVAL}", "checkpoints.keep=0", *changes)
-    # No training_step.svg (graph=False, fixtures.child_env): nothing here reads it, and a killed run's `dot` would draw on.
-    return start_train(train_args(root, dataset, name, *overrides), cache=cache, graph=False, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    overrides = tiny_overrides(f"training.steps={STEPS}", f"checkpoint_interval={INTERVAL}", "checkpoints.keep=0",
+                               *changes)
+    # No training_step.svg (graph=False, fixtures.child_env): nothing here reads it, and a killed
+    # run's `dot` would draw on.
+    return start_train(train_args(root, dataset, name, *overrides), cache=cache, graph=False, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True)
 
 
 def logged(run_dir) -> list[dict]:
@@ -305,7 +327,8 @@ def wait_until(condition, process, what):
 
 @pytest.mark.slow
 def test_killed_and_preempted_runs_continue_with_the_same_losses(tmp_path):
-    dataset, cache = synthetic_dataset(tmp_path / "data.zarr", "--train-tokens", "300000", "--validation-tokens", "20000"), tmp_path / "jax_cache"
+    dataset, cache = synthetic_dataset(tmp_path / "data.zarr", "--train-tokens", "300000",
+                                       "--validation-tokens", "20000"), tmp_path / "jax_cache"
     reference = train_process(tmp_path, dataset, "reference", cache)
     assert reference.wait(timeout=300) == 0, reference.stderr.read()
     expected = {line["step"]: line["loss"] for line in logged(tmp_path / "reference")}
@@ -356,6 +379,7 @@ def test_killed_and_preempted_runs_continue_with_the_same_losses(tmp_path):
     run = train_process(tmp_path, dataset, "interrupted", cache, "model.d_ff=256")
     assert run.wait(timeout=120) == 2
     errors = run.stderr.read().strip().splitlines()
-    expected_error = r"^seqax: error: checkpoint .*24: array weights\.layers\.w_gate is float32\[2, 64, 128\] but the state expects float32\[2, 64, 256\]"
+    expected_error = (r"^seqax: error: checkpoint .*24: array weights\.layers\.w_gate is float32\[2, 64, 128\] "
+                      r"but the state expects float32\[2, 64, 256\]")
     assert len(errors) == 1 and re.search(expected_error, errors[0]), errors
     assert files == {name: (run_dir / name).read_bytes() for name in files} and all(committed(run_dir).values())

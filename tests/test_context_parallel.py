@@ -65,17 +65,20 @@ def test_ring_attention_equals_dense_attention_in_float32(c):
     order = zigzag_order(L, c)
     device_of = np.empty(L, int)
     device_of[order] = np.arange(L) // (L // c)
-    assert any(len(set(device_of[doc_start[b] == s])) > 1 for b in range(B) for s in set(doc_start[b]))  # documents span devices
+    assert any(len(set(device_of[doc_start[b] == s])) > 1
+               for b in range(B) for s in set(doc_start[b]))  # documents span devices
 
     @jax.jit
     @typed_shard_map
-    def ring(q: f32[b"B L/c Q K D"], k: f32[b"B S/c K D"], v: f32[b"B S/c K D"], doc_start: u32[b"B L/c"], row_position: u32[b"L/c"],
-             cotangent: f32[b"B L/c Q K D"]) -> tuple[f32[b"B L/c Q K D"], f32[b"B L/c Q K D"], f32[b"B S/c K D"], f32[b"B S/c K D"]]:
+    def ring(q: f32[b"B L/c Q K D"], k: f32[b"B S/c K D"], v: f32[b"B S/c K D"], doc_start: u32[b"B L/c"],
+             row_position: u32[b"L/c"], cotangent: f32[b"B L/c Q K D"]
+             ) -> tuple[f32[b"B L/c Q K D"], f32[b"B L/c Q K D"], f32[b"B S/c K D"], f32[b"B S/c K D"]]:
         out, pullback = jax.vjp(lambda q, k, v: attention.ring_attention(q, k, v, doc_start, row_position, 4), q, k, v)
         return (out, *pullback(cotangent))
 
     with jax.set_mesh(make_mesh(1, 1, c)):
-        laid_out = ring(q[:, order], k[:, order], v[:, order], doc_start[:, order], order.astype(np.uint32), cotangent[:, order])
+        laid_out = ring(q[:, order], k[:, order], v[:, order], doc_start[:, order], order.astype(np.uint32),
+                        cotangent[:, order])
     expected = jax.jit(dense_output_and_gradients)(q, k, v, doc_start, cotangent)
     for name, x, y in zip(["output", "dq", "dk", "dv"], laid_out, expected):
         in_row_order = np.empty_like(np.asarray(x))
@@ -84,7 +87,9 @@ def test_ring_attention_equals_dense_attention_in_float32(c):
         assert error < 1e-5, (name, c, error)
 
 
-@pytest.mark.slow  # reads the default synthetic dataset (written once per session, seconds): the fast tier keeps the layout's arithmetic above
+# reads the default synthetic dataset (written once per session, seconds): the fast tier keeps the
+# layout's arithmetic above
+@pytest.mark.slow
 def test_the_loader_hands_each_device_its_two_chunks(default_dataset):
     """With mesh.c = 4 the batch is the c = 1 batch with each row in zigzag order, and the
     shard of device (d, c=r) holds row positions of chunks r and 7 - r."""
@@ -99,7 +104,8 @@ def test_the_loader_hands_each_device_its_two_chunks(default_dataset):
             loader.close()
     order = zigzag_order(64, 4)
     for field in ("targets", "is_seq_start", "loss_mask"):
-        np.testing.assert_array_equal(np.asarray(getattr(batches[4], field)), np.asarray(getattr(batches[1], field))[:, order])
+        np.testing.assert_array_equal(np.asarray(getattr(batches[4], field)),
+                                      np.asarray(getattr(batches[1], field))[:, order])
     for shard in batches[4].targets.addressable_shards:
         r = shard.index[1].start // 16
         np.testing.assert_array_equal(order[shard.index[1]], np.r_[8 * r : 8 * r + 8, 8 * (7 - r) : 8 * (8 - r)])
@@ -107,8 +113,10 @@ def test_the_loader_hands_each_device_its_two_chunks(default_dataset):
 
 @pytest.mark.parametrize("overrides,message", [
     (["mesh.d=2", "mesh.t=2", "mesh.c=4"], r"mesh.d=2 x mesh.t=2 x mesh.c=4 = 16 must equal the 8 devices"),
-    (["mesh.d=4", "mesh.t=1", "mesh.c=2", "training.tokens.len=48"], r"training.tokens.len=48 must be a multiple of 2 x mesh.c x model.attention_block = 32"),
-    (["mesh.d=2", "mesh.t=1", "mesh.c=4", "model.d_model=36", "training.tokens.len=64"], r"model.d_model=36 is not divisible by mesh.d x mesh.c=8"),
+    (["mesh.d=4", "mesh.t=1", "mesh.c=2", "training.tokens.len=48"],
+     r"training.tokens.len=48 must be a multiple of 2 x mesh.c x model.attention_block = 32"),
+    (["mesh.d=2", "mesh.t=1", "mesh.c=4", "model.d_model=36", "training.tokens.len=64"],
+     r"model.d_model=36 is not divisible by mesh.d x mesh.c=8"),
 ])
 def test_a_mesh_that_does_not_fit_stops_with_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -163,7 +171,8 @@ def test_training_steps_with_c2_equal_one_device(long_rows):
     step-0 loss equals the 1x1x1 run's within 1e-5 relative, steps 1-2 within 1e-4."""
     configs, batches, one_device, two, _, _ = long_rows
     starts = np.asarray(batches(0, make_mesh(1, 1, 1)).is_seq_start)
-    assert starts.sum() > 8 and not starts[:, [256, 512, 768]].all()  # packed documents; some go on across the chunks' boundaries
+    assert (starts.sum() > 8
+            and not starts[:, [256, 512, 768]].all())  # packed documents; some go on across the chunks' boundaries
     assert abs(two[0] - one_device[0]) <= 1e-5 * abs(one_device[0]), (two, one_device)
     for a, b in zip(two, one_device):
         assert abs(a - b) <= 1e-4 * abs(b), (two, one_device)
@@ -178,7 +187,8 @@ def test_a_checkpoint_written_with_c2_continues_with_another_c(long_rows, c):
     cfg, mesh = configs[c], make_mesh(*((1, 1, 1) if c == 1 else (1, 2, 4)))
     checkpointer = Checkpointer(str(checkpoints), cfg.checkpoints)
     with jax.set_mesh(mesh):
-        step, state = checkpointer.restore(jax.eval_shape(lambda: train.init_state(cfg, mesh)), make_shardings(train.State, mesh))
+        step, state = checkpointer.restore(jax.eval_shape(lambda: train.init_state(cfg, mesh)),
+                                           make_shardings(train.State, mesh))
     checkpointer.close()
     assert step == 2
     _, losses = run_steps(cfg, mesh, batches, state, [2])
@@ -189,7 +199,8 @@ def test_a_checkpoint_written_with_c2_continues_with_another_c(long_rows, c):
 def test_sample_reads_a_run_trained_with_c2_and_says_it_runs_with_c1(long_rows, capsys):
     configs, _, _, _, checkpoints, root = long_rows
     run_dir = os.path.dirname(checkpoints)
-    OmegaConf.save(OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(configs[2]))), os.path.join(run_dir, "config.yaml"))
+    OmegaConf.save(OmegaConf.create(OmegaConf.to_yaml(OmegaConf.structured(configs[2]))),
+                   os.path.join(run_dir, "config.yaml"))
     sample.main(["--run-dir", run_dir, "--prompt-ids", "5", "6", "--max-new-tokens", "3", "--temperature", "0"])
     out = capsys.readouterr()
     assert "checkpoint 2 of" in out.err and "c=1 (the run trained with mesh.c=2" in out.err
@@ -201,10 +212,12 @@ def test_the_memory_reports_activations_fall_as_one_over_c():
     = 1, 2, 4 on c devices: exactly 1/c; the ring's shards in flight are a term of their own."""
     activations, ring = {}, {}
     for c in (1, 2, 4):
-        cfg, mesh = tiny_config("training.tokens.len=64", "model.attention_block=4", "mesh.d=1", "mesh.t=1", f"mesh.c={c}"), make_mesh(1, 1, c)
+        cfg, mesh = tiny_config("training.tokens.len=64", "model.attention_block=4", "mesh.d=1", "mesh.t=1",
+                                f"mesh.c={c}"), make_mesh(1, 1, c)
         with jax.set_mesh(mesh):
             state = abstract_state(cfg, mesh)
-            terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)))
+            terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(
+                cfg, mesh, state, partial(train.training_layer, cfg.model)))
         activations[c] = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
         ring[c] = sum(size for name, size in terms if name.startswith("ring attention"))
     assert activations[1] == 2 * activations[2] == 4 * activations[4]

@@ -40,7 +40,8 @@ def test_checkpointing_changes_no_value_and_no_gradient():
     np.testing.assert_array_equal(np.asarray(grad), np.asarray(plain_grad))
     # d/dx [exp(cos(sin x)) sin x] = cos x [exp(cos(sin x)) (1 - sin(sin x) sin x)]
     a = np.sin(np.asarray(x, np.float64))
-    np.testing.assert_allclose(np.asarray(grad), np.cos(np.asarray(x, np.float64)) * np.exp(np.cos(a)) * (1 - np.sin(a) * a), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad),
+                               np.cos(np.asarray(x, np.float64)) * np.exp(np.cos(a)) * (1 - np.sin(a) * a), rtol=1e-5)
 
 
 def residual_shape(line: str) -> tuple[str, tuple[int, ...]]:
@@ -58,11 +59,13 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
     Q, K, D, F = cfg.model.n_q_per_kv, cfg.model.n_kv // 2, cfg.model.d_head, cfg.model.d_ff // 2
     N = L // cfg.model.attention_block
     with jax.set_mesh(mesh):
-        lines, _ = memory.memory_annotations(cfg, mesh, abstract_state(cfg, mesh), partial(train.training_layer, cfg.model))
+        lines, _ = memory.memory_annotations(cfg, mesh, abstract_state(cfg, mesh),
+                                             partial(train.training_layer, cfg.model))
     saved = [residual_shape(l) for l in lines if f"named '{SAVED_NAME}'" in l]
     others = [l for l in lines if f"named '{SAVED_NAME}'" not in l]
     assert all(re.search(r"from (the argument|a constant)", l) for l in others), others
-    x = residual_shape(next(l for l in others if l.endswith("from the argument x")))  # the residual stream as the layer gets it
+    # the residual stream as the layer gets it
+    x = residual_shape(next(l for l in others if l.endswith("from the argument x")))
     # bfloat16 values are kept as their 16 bits (jax_extra: XLA:CPU widens a bf16 stack's update).
     expected = [
         ("u16", (B, L, M)),  # the attention's normalized input: the q, k and v projections' weight gradients
@@ -71,7 +74,8 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
         ("u16", (B, N, K, cfg.model.attention_block, D)),  # k, for the gradients of q
         ("u16", (B, N, K, cfg.model.attention_block, D)),  # v, for the gradients of the softmax weights
         ("u16", (B, L, Q, K, D)),  # the attention's output: the out projection's weight gradient
-        ("f32", (N, B, K, Q, cfg.model.attention_block)),  # the log-sum-exp of every query's scores, to rebuild the softmax
+        # the log-sum-exp of every query's scores, to rebuild the softmax
+        ("f32", (N, B, K, Q, cfg.model.attention_block)),
         x,  # the residual stream after attention: the FFN norm's gradient
         ("u16", (B, L, M)),  # the FFN's normalized input: the gate and up weight gradients
         ("u16", (B, L, F)),  # gate, for silu's gradient

@@ -13,7 +13,8 @@ def our_modules() -> dict[str, str]:
     """Module name -> path of every Python file of ours outside tests/ and .venv."""
     modules = {}
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "__pycache__", "runs", "outputs", "data")]
+        dirs[:] = [d for d in dirs
+                   if not d.startswith(".") and d not in ("tests", "__pycache__", "runs", "outputs", "data")]
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
@@ -29,7 +30,8 @@ def imports_of(path: str) -> set[str]:
     """Our modules that the file at `path` imports (by top-level name or full dotted name)."""
     found = set()
     for node in ast.walk(ast.parse(open(path).read(), path)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
         if isinstance(node, ast.ImportFrom) and node.module:
             names += [f"{node.module}.{a.name}" for a in node.names]
         found |= {n for n in names if n in MODULES}
@@ -66,9 +68,11 @@ def test_one_module_defines_the_attention_kernels_and_their_specification():
     defined = {}
     for module, path in MODULES.items():
         for node in ast.parse(open(path).read()).body:
-            if isinstance(node, ast.FunctionDef) and node.name in ("dense_attention", "ring_attention", "causal_document_mask"):
+            if (isinstance(node, ast.FunctionDef)
+                    and node.name in ("dense_attention", "ring_attention", "causal_document_mask")):
                 defined.setdefault(node.name, []).append(module)
-    assert defined == {"dense_attention": ["attention"], "ring_attention": ["attention"], "causal_document_mask": ["attention"]}
+    assert defined == {"dense_attention": ["attention"], "ring_attention": ["attention"],
+                       "causal_document_mask": ["attention"]}
 
 
 def test_train_py_is_at_most_500_lines():

@@ -11,7 +11,15 @@ from jax import lax
 
 import reference
 import train
-from fixtures import abstract_state, make_mesh, perturbed_weights, put_batch, random_batch, reference_config, tiny_config
+from fixtures import (
+    abstract_state,
+    make_mesh,
+    perturbed_weights,
+    put_batch,
+    random_batch,
+    reference_config,
+    tiny_config,
+)
 from reference import loss as reference_loss
 from reference import weights_to_dicts
 from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
@@ -26,7 +34,8 @@ SMALL = ("model.n_kv=2", "model.layers=1")
 def make_problem(*overrides: str):
     """(config, weights, batch) of the tiny model changed by `overrides`."""
     cfg = tiny_config(*overrides)
-    return cfg, jax.device_get(perturbed_weights(cfg)), random_batch(0, cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab)
+    return (cfg, jax.device_get(perturbed_weights(cfg)),
+            random_batch(0, cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab))
 
 
 def reference_value_and_grad(cfg, weights, batch, matmul_dtype) -> tuple[float, dict]:
@@ -34,7 +43,8 @@ def reference_value_and_grad(cfg, weights, batch, matmul_dtype) -> tuple[float, 
     reference_cfg = reference_config(cfg.model)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(reference, "bf16", matmul_dtype)
-        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, reference_cfg, *batch)))(weights_to_dicts(weights, cfg.model.layers))
+        loss, grads = jax.jit(jax.value_and_grad(lambda w: reference_loss(w, reference_cfg, *batch)))(
+            weights_to_dicts(weights, cfg.model.layers))
     return float(loss), grads
 
 
@@ -60,14 +70,16 @@ def relative_errors(grads: dict, ref_grads: dict) -> list[tuple[str, float]]:
     flat_ref, flat = jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)
     assert len(flat_ref) == len(flat)
     return [
-        (jax.tree_util.keystr(path), np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r, np.float64)) / np.linalg.norm(np.asarray(r, np.float64)))
+        (jax.tree_util.keystr(path), np.linalg.norm(np.asarray(g, np.float64) - np.asarray(r, np.float64))
+         / np.linalg.norm(np.asarray(r, np.float64)))
         for (path, r), g in zip(flat_ref, flat)
     ]
 
 
 def sharded_loss_and_grads(cfg, mesh, weights, batch):
     @typed_shard_map
-    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"], mask: bool_[b"B/d L/c"]) -> tuple[f32[b""], train.Model]:
+    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"],
+                  mask: bool_[b"B/d L/c"]) -> tuple[f32[b""], train.Model]:
         loss, grads = jax.value_and_grad(partial(train.model_loss, cfg.model))(w, targets, starts, mask)
         return lax.psum(loss, ("d", "c")), grads
 

@@ -36,7 +36,8 @@ def problem():
     cfg = tiny_config()
     w = train.init_weights(cfg.model, jax.random.key(0))
     gains = lambda x, seed: x + 0.3 * jax.random.normal(jax.random.key(seed), x.shape)  # noqa: E731
-    layers = train.Layer(**{**vars(w.layers), "attn_norm": gains(w.layers.attn_norm, 1), "ffn_norm": gains(w.layers.ffn_norm, 2)})
+    layers = train.Layer(**{**vars(w.layers), "attn_norm": gains(w.layers.attn_norm, 1),
+                            "ffn_norm": gains(w.layers.ffn_norm, 2)})
     weights = jax.device_get(train.Model(w.embed, layers, gains(w.final_norm, 3), w.unembed))
     B, L, V = cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab
     rng = np.random.default_rng(0)
@@ -61,9 +62,11 @@ def ours(cfg, mesh, weights, batch):
     targets, starts, mask = batch
 
     @typed_shard_map
-    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"], mask: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], f32[b""]]:
+    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"],
+                  mask: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], f32[b""]]:
         inputs = jnp.where(starts, 0, jnp.pad(targets[:, :-1], ((0, 0), (1, 0))))
-        return train.forward(cfg.model, w, inputs, starts), lax.psum(train.model_loss(cfg.model, w, targets, starts, mask), ("d", "c"))
+        return (train.forward(cfg.model, w, inputs, starts),
+                lax.psum(train.model_loss(cfg.model, w, targets, starts, mask), ("d", "c")))
 
     with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))
@@ -96,5 +99,6 @@ def test_the_doc_model_notices_a_wrong_convention(spec, problem):
     right = spec["forward"](w, inputs, starts, base, eps)
     one_plus = {name: x + 1 if name.endswith("norm") else x for name, x in w.items()}
     one_row_one_doc = np.zeros_like(starts)
-    for wrong in (spec["forward"](one_plus, inputs, starts, base, eps), spec["forward"](w, inputs, one_row_one_doc, base, eps)):
+    for wrong in (spec["forward"](one_plus, inputs, starts, base, eps),
+                  spec["forward"](w, inputs, one_row_one_doc, base, eps)):
         assert np.max(np.abs(wrong - right)) / np.max(np.abs(right)) > 1e-2

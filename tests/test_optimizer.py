@@ -11,7 +11,8 @@ import train
 
 
 def training(**changes) -> config.TrainingConfig:
-    values = dict(steps=20, tokens=config.TokensConfig(batch=8, len=16), learning_rate=1e-2, warmup_steps=4, final_learning_rate_fraction=0.1, seed=0,
+    values = dict(steps=20, tokens=config.TokensConfig(batch=8, len=16), learning_rate=1e-2, warmup_steps=4,
+                  final_learning_rate_fraction=0.1, seed=0,
                   adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8, weight_decay=0.1, grad_clip=1.0)
     return config.TrainingConfig(**{**values, **changes})
 
@@ -78,21 +79,26 @@ def test_a_whole_run_of_adamw_matches_the_numpy_statement():
     gradient is zero) lands where the NumPy AdamW does, to float32 rounding."""
     h = training()
     rng = np.random.default_rng(0)
-    weights = {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32), "still": np.ones(2, np.float32)}
+    weights = {"a": rng.standard_normal((3, 4)).astype(np.float32), "b": rng.standard_normal(5).astype(np.float32),
+               "still": np.ones(2, np.float32)}
     gradients = []
     for step in range(h.steps):
         scale = 3.0 if step % 3 == 0 else 0.05  # global norms well above and well below the clip
-        gradients.append({k: (scale * rng.standard_normal(x.shape) * (k != "still")).astype(np.float32) for k, x in weights.items()})
-    assert sum(global_norm(g) > h.grad_clip for g in gradients) >= 5 and sum(global_norm(g) < h.grad_clip for g in gradients) >= 5
+        gradients.append({k: (scale * rng.standard_normal(x.shape) * (k != "still")).astype(np.float32)
+                          for k, x in weights.items()})
+    assert (sum(global_norm(g) > h.grad_clip for g in gradients) >= 5
+            and sum(global_norm(g) < h.grad_clip for g in gradients) >= 5)
     expected = numpy_adamw(h, weights, gradients, rates(h))
 
-    step_fn = jax.jit(lambda step, w, g, mu, nu: train.optimizer_step(h, step, w, g, mu, nu, jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))))
+    step_fn = jax.jit(lambda step, w, g, mu, nu: train.optimizer_step(
+        h, step, w, g, mu, nu, jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))))
     w = jax.tree.map(jnp.asarray, weights)
     mu = nu = jax.tree.map(jnp.zeros_like, w)
     for step, (grads, want) in enumerate(zip(gradients, expected)):
         w, mu, nu, lr = step_fn(jnp.uint32(step), w, grads, mu, nu)
         for k in weights:
-            np.testing.assert_allclose(np.asarray(w[k]), want[k], rtol=2e-6, atol=2e-7, err_msg=f"{k} after step {step}")
+            np.testing.assert_allclose(np.asarray(w[k]), want[k], rtol=2e-6, atol=2e-7,
+                                       err_msg=f"{k} after step {step}")
     # The weight without gradient only decays: w * prod(1 - lr * decay).
     np.testing.assert_allclose(np.asarray(w["still"]), np.prod(1 - rates(h) * h.weight_decay) * np.ones(2), rtol=1e-5)
 
@@ -120,7 +126,8 @@ def test_clipping_scales_the_gradient_to_at_most_the_clip_norm_keeping_its_direc
     used = first_step_gradient(h, grads, global_norm(grads))
     assert global_norm(used) == pytest.approx(min(norm_factor, 1.0) * h.grad_clip, rel=1e-5, abs=1e-12)
     for k in grads:  # every leaf by the same factor: the direction of the whole gradient is kept
-        np.testing.assert_allclose(used[k], np.asarray(grads[k]) * min(1.0, 1.0 / max(norm_factor, 1e-30)), rtol=1e-5, atol=1e-12)
+        np.testing.assert_allclose(used[k], np.asarray(grads[k]) * min(1.0, 1.0 / max(norm_factor, 1e-30)),
+                                   rtol=1e-5, atol=1e-12)
     assert all(np.all(np.isfinite(x)) for x in used.values())
 
 

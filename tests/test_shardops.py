@@ -11,7 +11,16 @@ from jax import lax
 
 from fixtures import make_mesh
 from shardlib import shardops
-from shardlib.shardops import SpecError, all_gather, all_gather_cast, einsum_unreduced, index_unreduced, psum, psum_scatter, take_unreduced
+from shardlib.shardops import (
+    SpecError,
+    all_gather,
+    all_gather_cast,
+    einsum_unreduced,
+    index_unreduced,
+    psum,
+    psum_scatter,
+    take_unreduced,
+)
 from shardlib.shardtypes import f32, i32, typed_shard_map
 
 rng = np.random.default_rng(0)
@@ -76,7 +85,8 @@ def test_all_gather_cast_sends_bf16_and_sums_gradients_in_f32(mesh):
     check_close(grad, sum(bf16(c[i]) for i in range(4)))
     text = jax.jit(jax.value_and_grad(loss)).lower(w, c).compile().as_text()
     assert "u16[" in text and " all-gather(" in text  # two bytes a value on the wire
-    assert all("f32[" in line.split("=")[1].split("reduce-scatter(")[0] for line in text.splitlines() if " reduce-scatter(" in line)
+    assert all("f32[" in line.split("=")[1].split("reduce-scatter(")[0]
+               for line in text.splitlines() if " reduce-scatter(" in line)
     with pytest.raises(SpecError, match="partial sums must be float32"):
         all_gather_cast("M/d -> M", jnp.zeros(4, jnp.bfloat16), jnp.bfloat16)
 
@@ -138,9 +148,11 @@ def test_gather_and_scatter_of_an_inner_dimension_move_its_blocks_to_the_front(m
     text = jax.jit(jax.value_and_grad(round_trip)).lower(x, c).compile().as_text()
     collectives = [line for line in text.splitlines() if " all-gather(" in line or " reduce-scatter(" in line]
     assert collectives and all("dimensions={0}" in line for line in collectives), collectives
-    computed = "\n".join(line for line in text.splitlines() if " transpose(" not in line)  # a transpose's layout says which copy it is
+    computed = "\n".join(line for line in text.splitlines()
+                         if " transpose(" not in line)  # a transpose's layout says which copy it is
     layouts = re.findall(r"\[[\d,]+\]\{([\d,]+)\}", computed)
-    assert all(layout == ",".join(str(i) for i in reversed(range(layout.count(",") + 1))) for layout in layouts), set(layouts)
+    assert all(layout == ",".join(str(i) for i in reversed(range(layout.count(",") + 1)))
+               for layout in layouts), set(layouts)
 
 
 def test_einsum_unreduced_gradient_runs_in_the_operands_dtype():
@@ -369,7 +381,8 @@ def test_ring_pass_forward_and_gradient(dtype):
         out, grad = jax.jit(passed)(x, c)
     rounded = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(out), np.roll(rounded, 2, axis=0))  # device r holds what r - 1 held
-    np.testing.assert_array_equal(np.asarray(grad), np.roll(np.asarray(jnp.asarray(c).astype(dtype).astype(jnp.float32)), -2, axis=0))
+    np.testing.assert_array_equal(np.asarray(grad),
+                                  np.roll(np.asarray(jnp.asarray(c).astype(dtype).astype(jnp.float32)), -2, axis=0))
 
 
 def test_ring_pass_refuses_an_axis_that_splits_nothing():

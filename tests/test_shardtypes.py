@@ -121,10 +121,12 @@ def test_dataclass_fields_and_stacked_layers_are_checked():
     def first(net: Net) -> f32[b"M/d F/t"]:
         return net.blocks.w[0]
 
-    good = Net(jnp.zeros((8, 4), jnp.bfloat16), Block(jnp.zeros((3, 4, 6)), jnp.zeros((3, 4))), jnp.zeros((), jnp.uint32))
+    good = Net(jnp.zeros((8, 4), jnp.bfloat16), Block(jnp.zeros((3, 4, 6)), jnp.zeros((3, 4))),
+               jnp.zeros((), jnp.uint32))
     first(good)
     bad = Net(good.embed, Block(jnp.zeros((3, 5, 6)), jnp.zeros((3, 4))), good.step)
-    with pytest.raises(ShapeError, match=r"argument 'net'.blocks.w: dimension M of f32\[b'layers M/d F/t'\] is 5, but M was 4"):
+    with pytest.raises(ShapeError,
+                       match=r"argument 'net'.blocks.w: dimension M of f32\[b'layers M/d F/t'\] is 5, but M was 4"):
         first(bad)
 
 
@@ -144,7 +146,8 @@ def test_inside_shard_map_sizes_are_per_device_and_checked_as_global():
     def mismatch(x: f32[b"B/d M/t"], w: f32[b"M"]) -> f32[b"B/d M/t"]:
         return x
 
-    with jax.set_mesh(mesh), pytest.raises(ShapeError, match=r"argument 'w': dimension M of f32\[b'M'\] is 3, but M was 6 earlier"):
+    with (jax.set_mesh(mesh),
+          pytest.raises(ShapeError, match=r"argument 'w': dimension M of f32\[b'M'\] is 3, but M was 6 earlier")):
         jax.jit(mismatch)(jnp.ones((8, 6)), jnp.arange(3.0))
 
 
@@ -159,7 +162,8 @@ def test_unknown_mesh_axis_inside_shard_map_is_caught():
     def outer(x: f32[b"B/d"]) -> f32[b"B/d"]:
         return inner(x)
 
-    with jax.set_mesh(mesh), pytest.raises(ShapeError, match=r"unknown mesh axis 'q'.*the mesh has axes \('d', 'c', 't'\)"):
+    with (jax.set_mesh(mesh),
+          pytest.raises(ShapeError, match=r"unknown mesh axis 'q'.*the mesh has axes \('d', 'c', 't'\)")):
         jax.jit(outer)(jnp.ones(8))
 
 

@@ -42,7 +42,8 @@ def dot_flops(jaxpr) -> int:
             lhs = eqn.invars[0].aval.shape
             total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[i] for i in contracted)
         inner = [v for value in eqn.params.values() for v in (value if isinstance(value, tuple | list) else [value])]
-        inner = [v.jaxpr if isinstance(v, jax_core.ClosedJaxpr) else v for v in inner if isinstance(v, jax_core.ClosedJaxpr | jax_core.Jaxpr)]
+        inner = [v.jaxpr if isinstance(v, jax_core.ClosedJaxpr) else v for v in inner
+                 if isinstance(v, jax_core.ClosedJaxpr | jax_core.Jaxpr)]
         total += (eqn.params["length"] if eqn.primitive.name == "scan" else 1) * sum(map(dot_flops, inner))
     return total
 
@@ -53,7 +54,8 @@ def test_flops_formula_counts_the_matmuls_of_the_forward_pass():
     the same count once the attention's QK^T and PV, measured on dense_attention, are taken at
     the causal half, as the formula's convention is; times 3 for forward and backward. Every
     dimension differs, so a swapped or missing factor shows."""
-    m = config.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=3, d_head=4, d_ff=20, layers=3, vocab=40, rope_base=1e4, norm_eps=1e-5, attention_block=8)
+    m = config.ModelConfig(d_model=8, n_q_per_kv=2, n_kv=3, d_head=4, d_ff=20, layers=3, vocab=40, rope_base=1e4,
+                           norm_eps=1e-5, attention_block=8)
     B, L = 2, 8
     Q, K, D = m.n_q_per_kv, m.n_kv, m.d_head
     tokens = lambda dtype, *shape: jax.ShapeDtypeStruct((B, L, *shape), dtype)  # noqa: E731
@@ -63,13 +65,15 @@ def test_flops_formula_counts_the_matmuls_of_the_forward_pass():
         return train.forward(m, w, inputs, is_seq_start)
 
     @typed_shard_map
-    def attend(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"], mask: bool_[b"B/d L S"]) -> f32[b"B/d L Q K/t D"]:
+    def attend(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"],
+               mask: bool_[b"B/d L S"]) -> f32[b"B/d L Q K/t D"]:
         return attention.dense_attention(q, k, v, mask)
 
     with jax.set_mesh(make_mesh(1, 1)):
         weights = jax.eval_shape(lambda: train.init_weights(m, jax.random.key(0)))
         forward = dot_flops(jax.make_jaxpr(logits)(weights, tokens(jnp.uint32), tokens(jnp.bool_)).jaxpr)
-        per_layer_attention = dot_flops(jax.make_jaxpr(attend)(tokens(jnp.float32, Q, K, D), *[tokens(jnp.float32, K, D)] * 2, tokens(jnp.bool_, L)).jaxpr)
+        per_layer_attention = dot_flops(jax.make_jaxpr(attend)(
+            tokens(jnp.float32, Q, K, D), *[tokens(jnp.float32, K, D)] * 2, tokens(jnp.bool_, L)).jaxpr)
     assert per_layer_attention == 2 * (2 * B * L * L * Q * K * D)  # QK^T and PV over every query-key pair
     causal_forward = forward - m.layers * per_layer_attention / 2
     assert train.model_flops_per_token(m, seq_len=L) == 3 * causal_forward / (B * L)
@@ -89,15 +93,16 @@ def test_formula_agrees_with_xla_cost_analysis_for_one_layer():
         compiled = train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh)
     cost = compiled.cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"] * jax.device_count()
-    formula = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * cfg.training.tokens.batch * cfg.training.tokens.len
+    formula = (train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * cfg.training.tokens.batch
+               * cfg.training.tokens.len)
     assert 1.0 <= xla / formula <= 1.10, (xla, formula)
 
 
 @pytest.mark.parametrize(
     "kind,peak",
-    [("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
-     ("NVIDIA B200", 2250e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v5p", 459e12),
-     ("TPU v6 lite", 918e12), ("TPU v4 lite", None), ("Imaginary X1", None)],
+    [("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
+     ("NVIDIA H200", 989e12), ("NVIDIA B200", 2250e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12),
+     ("TPU v5", 459e12), ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("TPU v4 lite", None), ("Imaginary X1", None)],
 )
 def test_peak_table(kind, peak):
     assert training_io.peak_bf16_flops_per_device(kind) == peak
@@ -106,14 +111,16 @@ def test_peak_table(kind, peak):
 def fake_config(steps: int):
     return types.SimpleNamespace(
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
-        model=config.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16, rope_base=1e4, norm_eps=1e-5, attention_block=8),
+        model=config.ModelConfig(d_model=8, n_q_per_kv=1, n_kv=1, d_head=8, d_ff=16, layers=1, vocab=16,
+                                 rope_base=1e4, norm_eps=1e-5, attention_block=8),
         mesh=types.SimpleNamespace(d=1, t=1),
         logging=config.LoggingConfig(wandb_project="", wandb_entity=""),
     )
 
 
 def log_steps(run_dir, start: int, losses: dict[int, float], steps: int = 6):
-    log = training_io.RunLog(str(run_dir), "x: 1\n", fake_config(steps), start, train.model_flops_per_token, profiled_steps=0)
+    log = training_io.RunLog(str(run_dir), "x: 1\n", fake_config(steps), start, train.model_flops_per_token,
+                             profiled_steps=0)
     for step, loss in losses.items():
         log.before_step(step, None)
         log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5)))
@@ -164,10 +171,12 @@ def test_memory_report_follows_save_for_backward(monkeypatch):
     state = abstract_state(cfg, mesh)
     with jax.set_mesh(mesh):
         # A new function object each time: JAX caches the trace of a checkpointed function by its identity.
-        before = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)))
+        before = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(
+            cfg, mesh, state, partial(train.training_layer, cfg.model)))
         sigmoid = jax.nn.sigmoid
         monkeypatch.setattr(jax.nn, "sigmoid", lambda x: save_for_backward(sigmoid(x)))
-        after = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model)))
+        after = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(
+            cfg, mesh, state, partial(train.training_layer, cfg.model)))
     saved = lambda terms: next(size for name, size in terms[0] if name.startswith("saved for backward"))  # noqa: E731
     B, L, F = cfg.training.tokens.batch // 4, cfg.training.tokens.len, cfg.model.d_ff // 2
     assert saved(after) - saved(before) == B * L * F * 4 * cfg.model.layers
@@ -237,7 +246,8 @@ def test_short_run_writes_profile_graph_memory_metrics_and_tensorboard(short_run
         assert (run_dir / "training_step.dot").exists() and "graphviz" in result.stderr
     assert "compiled the training step in" in result.stdout
 
-    lines = [l for l in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in l]  # training lines, not eval lines
+    # training lines, not eval lines
+    lines = [l for l in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in l]
     assert [l["step"] for l in lines] == [0, 1, 2, 3]
     for l in lines:
         assert l["tokens_per_second"] > 0 and 0 < l["mfu"] < 1.5 and l["step_time"] > 0
