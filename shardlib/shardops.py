@@ -12,6 +12,8 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
     index_unreduced('V/t M, B/d L -> B/d L M', table, ids)
     take_unreduced('B/d L V/t, B/d L -> B/d L', logits, targets)
     ring_pass('B/d S/c K/t D', k, 'c')            send k to the next device along c, receive the previous one's
+    global_norm(grads, Model)                     the L2 norm of arrays sharded as Model's annotations say
+    all_to_all('layers M/d F/t -> layers/d/t M F', w)  move d and t from M and F to layers: whole matrices
 """
 
 from functools import partial
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardlib.shardtypes import Dim, ShapeError, dims_str, parse_dims
+from shardlib.shardtypes import Dim, ShapeError, dims_str, make_partition_specs, parse_dims, spec_axes
 
 
 class SpecError(ValueError):
@@ -41,7 +43,8 @@ def _parse(spec: str, op: str) -> tuple[list[tuple[Dim, ...]], tuple[Dim, ...]]:
 
 def _check_ndim(op: str, spec: str, dims: tuple[Dim, ...], x, which: str = "operand"):
     if x.ndim != len(dims):
-        raise SpecError(f"{op}: spec {spec!r} gives the {which} {len(dims)} dims ({dims_str(dims)}), but its shape is {x.shape}")
+        raise SpecError(f"{op}: spec {spec!r} gives the {which} {len(dims)} dims ({dims_str(dims)}), "
+                        f"but its shape is {x.shape}")
 
 
 def _parse_unary(spec: str, op: str) -> tuple[tuple[Dim, ...], tuple[Dim, ...]]:
@@ -101,7 +104,8 @@ def _gathers(op: str, spec: str, x) -> list[tuple[int, tuple[str, ...]]]:
     gathers = []
     for i, (a, b) in enumerate(zip(src, dst)):
         if a.axes[: len(b.axes)] != b.axes:
-            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a gather: the output may only drop innermost axes")
+            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a gather: "
+                            "the output may only drop innermost axes")
         if len(a.axes) > len(b.axes):
             gathers.append((i, a.axes[len(b.axes) :]))
     if not gathers:
@@ -131,7 +135,8 @@ def _scatter(scatters, x):
     for dim, axes in scatters:
         n = lax.axis_size(axes)
         if n > 1:
-            blocks = jnp.moveaxis(x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1 :]), dim, 0)  # [n, ..., b, ...]
+            # [n, ..., b, ...]
+            blocks = jnp.moveaxis(x.reshape(x.shape[:dim] + (n, x.shape[dim] // n) + x.shape[dim + 1 :]), dim, 0)
             x = lax.psum_scatter(blocks, axes if len(axes) > 1 else axes[0], scatter_dimension=0, tiled=False)
     return x
 
@@ -143,7 +148,8 @@ def psum_scatter(spec: str, x):
     scatters = []
     for i, (a, b) in enumerate(zip(src, dst)):
         if b.axes[: len(a.axes)] != a.axes:
-            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a scatter: the output may only add innermost axes")
+            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a scatter: "
+                            "the output may only add innermost axes")
         if len(b.axes) > len(a.axes):
             scatters.append((i, b.axes[len(a.axes) :]))
     if not scatters:
@@ -163,7 +169,8 @@ def psum(spec: str, x, axes: str | tuple[str, ...]):
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     used = {a for d in dims for a in d.axes}
     if not axes or used & set(axes):
-        raise SpecError(f"{op}: cannot sum over {axes} a value laid out as {spec!r}: an axis that shards it holds different parts, not partials")
+        raise SpecError(f"{op}: cannot sum over {axes} a value laid out as {spec!r}: "
+                        "an axis that shards it holds different parts, not partials")
     _check_ndim(op, spec, dims, x)
     _require_f32(op, x)
     return lax.psum(x, axes)  # also over one device: psum is what types the result as the same on every device
@@ -195,12 +202,14 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
     for name, axes in axes_of.items():
         for axis in axes:
             if dim_of_axis.setdefault(axis, name) != name:
-                raise SpecError(f"{op}: in spec {spec!r}, mesh axis {axis!r} splits both {dim_of_axis[axis]} and {name}; blocks would not line up")
+                raise SpecError(f"{op}: in spec {spec!r}, mesh axis {axis!r} splits both {dim_of_axis[axis]} "
+                                f"and {name}; blocks would not line up")
     for d in output:
         if d.name not in axes_of:
             raise SpecError(f"{op}: in spec {spec!r}, output dimension {d.name} is not in any operand")
         if axes_of[d.name] != d.axes:
-            raise SpecError(f"{op}: in spec {spec!r}, output dimension {d} must keep its input sharding {'/'.join((d.name,) + axes_of[d.name])}")
+            raise SpecError(f"{op}: in spec {spec!r}, output dimension {d} must keep its input sharding "
+                            f"{'/'.join((d.name,) + axes_of[d.name])}")
     letters = {name: chr(ord("a") + i) for i, name in enumerate(axes_of)}
     if len(letters) > 26:
         raise SpecError(f"{op}: spec {spec!r} has more than 26 dimensions")
@@ -244,7 +253,8 @@ def _einsum_pair_backward(plain, out_dtype, operands, cotangent):
     a, b = operands
     g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))  # the forward's operand dtype
     (a_letters, b_letters), out_letters = plain.split("->")[0].split(","), plain.split("->")[1]
-    return _einsum_gradient(g, out_letters, b, b_letters, a, a_letters), _einsum_gradient(g, out_letters, a, a_letters, b, b_letters)
+    return (_einsum_gradient(g, out_letters, b, b_letters, a, a_letters),
+            _einsum_gradient(g, out_letters, a, a_letters, b, b_letters))
 
 
 def _einsum_gradient(g, g_letters: str, other, other_letters: str, x, x_letters: str):
@@ -275,10 +285,12 @@ def index_unreduced(spec: str, table, indices):
         raise SpecError(f"{op}: spec {spec!r} has a table with no dimension to index")
     shared = {a for d in table_dims for a in d.axes} & {a for d in index_dims for a in d.axes}
     if shared:
-        raise SpecError(f"{op}: in spec {spec!r}, the indices are split over {sorted(shared)}, which also split the table")
+        raise SpecError(f"{op}: in spec {spec!r}, the indices are split over {sorted(shared)}, "
+                        "which also split the table")
     expected = index_dims + table_dims[1:]
     if [str(d) for d in output] != [str(d) for d in expected]:
-        raise SpecError(f"{op}: spec {spec!r} must produce the index dims then the table's other dims: {dims_str(expected)}")
+        raise SpecError(f"{op}: spec {spec!r} must produce the index dims then the table's other dims: "
+                        f"{dims_str(expected)}")
     _check_ndim(op, spec, table_dims, table, "table")
     _check_ndim(op, spec, index_dims, indices, "indices")
     if not table_dims[0].axes:
@@ -298,15 +310,18 @@ def take_unreduced(spec: str, values, indices):
     if len(inputs) != 2:
         raise SpecError(f"{op}: spec {spec!r} needs two operands: values, indices")
     value_dims, index_dims = inputs
-    if [str(d) for d in value_dims[:-1]] != [str(d) for d in index_dims] or [str(d) for d in output] != [str(d) for d in index_dims]:
-        raise SpecError(f"{op}: spec {spec!r} must read 'DIMS X, DIMS -> DIMS': the values' dims but the last are the indices' dims and the output's")
+    if ([str(d) for d in value_dims[:-1]] != [str(d) for d in index_dims]
+            or [str(d) for d in output] != [str(d) for d in index_dims]):
+        raise SpecError(f"{op}: spec {spec!r} must read 'DIMS X, DIMS -> DIMS': "
+                        "the values' dims but the last are the indices' dims and the output's")
     _check_ndim(op, spec, value_dims, values, "values")
     _check_ndim(op, spec, index_dims, indices, "indices")
     axes = value_dims[-1].axes
     if not axes:
         return jnp.take_along_axis(values, indices.astype(jnp.int32)[..., None], axis=-1)[..., 0]
     local, inside = _local_indices(axes, values.shape[-1], indices)
-    return jnp.where(inside, jnp.take_along_axis(values, local[..., None], axis=-1)[..., 0], jnp.zeros((), values.dtype))
+    return jnp.where(inside, jnp.take_along_axis(values, local[..., None], axis=-1)[..., 0],
+                     jnp.zeros((), values.dtype))
 
 
 def _local_indices(axes: tuple[str, ...], size: int, indices):
@@ -328,7 +343,8 @@ def ring_pass(spec: str, x, axis: str):
     except ShapeError as e:
         raise SpecError(f"{op}: {e}") from None
     if not any(axis in d.axes for d in dims):
-        raise SpecError(f"{op}: mesh axis {axis!r} splits no dimension of {spec!r}, so its devices hold the same block and there is nothing to pass")
+        raise SpecError(f"{op}: mesh axis {axis!r} splits no dimension of {spec!r}, "
+                        "so its devices hold the same block and there is nothing to pass")
     _check_ndim(op, spec, dims, x)
     size = lax.axis_size(axis)
     if size == 1:  # a ring of one device: the block stays (no op, as for _gather)
@@ -351,10 +367,93 @@ def _permute_forward(x, axis, perm):
 
 
 def _permute_backward(axis, perm, _, cotangent):
-    return (_permute(cotangent, axis, tuple((dst, src) for src, dst in perm)),)  # the gradient goes back the way the block came
+    # the gradient goes back the way the block came
+    return (_permute(cotangent, axis, tuple((dst, src) for src, dst in perm)),)
 
 
 _permute.defvjp(_permute_forward, _permute_backward)
+
+
+def global_norm(tree, annotation):
+    """The L2 norm of all the arrays of `tree`, laid out as `annotation` says (a gradient is laid
+    out as its weight), on every device: each array's sum of squares is summed over the mesh axes
+    that split it, with one all-reduce (a psum) per distinct set of axes, not one per array."""
+    specs = jax.tree.leaves(make_partition_specs(annotation),
+                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    squares_by_axes: dict[tuple[str, ...], list] = {}
+    for x, spec in zip(jax.tree.leaves(tree), specs, strict=True):
+        squares_by_axes.setdefault(tuple(sorted(spec_axes(spec))), []).append(
+            jnp.sum(jnp.square(x.astype(jnp.float32))))
+    return jnp.sqrt(sum(lax.psum(sum(parts), axes) if axes else sum(parts) for axes, parts in squares_by_axes.items()))
+
+
+def all_to_all(spec: str, x):
+    """Moves mesh axes from some dimensions to others: each device swaps blocks with every device
+    along the axes that move. 'layers M/d/c F/t -> layers/d/c/t M F' turns a stack of matrices split
+    over d, c and t into whole matrices, layers / (d c t) of them on each device; the reversed spec
+    sends them back. An axis leaves a dimension as its innermost and joins another as its
+    innermost, so the dimension it joins must divide evenly. 16-bit floats travel as their bits."""
+    op = "all_to_all"
+    src, dst = _parse_unary(spec, op)
+    _check_ndim(op, spec, src, x)
+    moves = _moves(op, spec, src, dst)
+    shape = list(x.shape)
+    for axes, leaving, joining in moves:
+        size = lax.axis_size(axes)
+        if shape[joining] % size:
+            raise SpecError(f"{op}: in spec {spec!r}, dimension {src[joining].name} ({shape[joining]} per device) "
+                            f"cannot be split over {'/'.join(axes)} ({size} devices); pad it to a multiple of {size}")
+        shape[joining], shape[leaving] = shape[joining] // size, shape[leaving] * size
+    return _all_to_all(x, tuple(moves))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _all_to_all(x, moves):
+    bits = (jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+            if x.dtype.itemsize < 4 and jnp.issubdtype(x.dtype, jnp.floating) else None)
+    y = x if bits is None else lax.bitcast_convert_type(x, bits)  # XLA:CPU would widen a bf16 all-to-all
+    for axes, leaving, joining in moves:
+        if lax.axis_size(axes) > 1:
+            y = lax.all_to_all(y, axes if len(axes) > 1 else axes[0], split_axis=joining, concat_axis=leaving,
+                               tiled=True)
+    return y if bits is None else lax.bitcast_convert_type(y, x.dtype)
+
+
+def _all_to_all_forward(x, moves):
+    return _all_to_all(x, moves), None
+
+
+def _all_to_all_backward(moves, _, cotangent):  # the blocks go back the way they came
+    return (_all_to_all(cotangent, tuple((axes, joining, leaving) for axes, leaving, joining in reversed(moves))),)
+
+
+_all_to_all.defvjp(_all_to_all_forward, _all_to_all_backward)
+
+
+def _moves(op: str, spec: str, src, dst) -> list[tuple[tuple[str, ...], int, int]]:
+    """(mesh axes, the dimension they leave, the one they join) of an all-to-all spec, in an order
+    in which each group leaves a dimension as its innermost axes and joins another as its innermost."""
+    now, final = [list(d.axes) for d in src], [list(d.axes) for d in dst]
+    if sorted(a for axes in now for a in axes) != sorted(a for axes in final for a in axes) or now == final:
+        raise SpecError(f"{op}: spec {spec!r} must move mesh axes between dimensions, keeping every axis "
+                        "(a gather or a scatter changes which axes split the array)")
+    for a, b in zip(now, final):
+        if a[: len(b)] != b and b[: len(a)] != a:
+            raise SpecError(f"{op}: in spec {spec!r}, an axis may only leave a dimension or join one as its innermost")
+    moves = []
+    while now != final:
+        move = next(((tuple(now[leaving][-k:]), leaving, joining)
+                     for joining in range(len(now)) for leaving in range(len(now))
+                     for k in range(len(now[leaving]) - len(final[leaving]), 0, -1)
+                     if now[joining] == final[joining][: len(now[joining])]
+                     and now[leaving][-k:] == final[joining][len(now[joining]) : len(now[joining]) + k]), None)
+        if move is None:
+            raise SpecError(f"{op}: spec {spec!r} cannot be done as moves of innermost axes")
+        axes, leaving, joining = move
+        del now[leaving][-len(axes) :]
+        now[joining] += axes
+        moves.append(move)
+    return moves
 
 
 def axis_size(axes: str | tuple[str, ...]) -> int:

@@ -123,6 +123,21 @@ class Array:
         return Stacked(dims, inner)
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskedType:
+    inner: typing.Any  # a pytree_dataclass type
+
+
+class Masked:
+    """`Masked[Model]`: a Model whose leaves may each be None (absent), with the types and shardings
+    of Model where present. An optimizer's state is one: it holds values for the weights it updates."""
+
+    def __class_getitem__(cls, inner):
+        if not is_pytree_dataclass(inner):
+            raise ShapeError(f"Masked[...] needs a pytree_dataclass, got {inner!r}")
+        return MaskedType(inner)
+
+
 def pytree_dataclass(cls):
     """A frozen dataclass whose fields are pytree children, named by field in key paths."""
     cls = dataclasses.dataclass(frozen=True)(cls)
@@ -160,6 +175,9 @@ def make_partition_specs(annotation, prefix: tuple[Dim, ...] = ()):
         return _partition_spec(prefix + annotation.dims)
     if isinstance(annotation, Stacked):
         return make_partition_specs(annotation.inner, prefix + annotation.dims)
+    # a spec where a leaf is absent is a prefix of nothing: jit and shard_map skip it
+    if isinstance(annotation, MaskedType):
+        return make_partition_specs(annotation.inner, prefix)
     if is_pytree_dataclass(annotation):
         return annotation(**{f.name: make_partition_specs(f.type, prefix) for f in dataclasses.fields(annotation)})
     args = _tuple_args(annotation)
@@ -191,6 +209,15 @@ def make_shardings(annotation, mesh: jax.sharding.Mesh):
     return jax.tree.map(to_sharding, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def abstract_arrays(shapes, annotation, mesh: jax.sharding.Mesh):
+    """`shapes` (leaves with .shape and .dtype, e.g. from jax.eval_shape; None where a leaf is absent)
+    as ShapeDtypeStructs with the shardings that `annotation` gives them on `mesh`."""
+    def abstract(sharding, x):
+        return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(abstract, make_shardings(annotation, mesh), shapes)
+
+
 # ---- run-time checking ----
 
 _scope: contextvars.ContextVar[dict | None] = contextvars.ContextVar("seqax_shape_scope", default=None)
@@ -202,7 +229,8 @@ def _axis_divisor(dim: Dim, where: str, annotation) -> int:
     divisor = 1
     for axis in dim.axes:
         if mesh.axis_names and axis not in mesh.axis_names:
-            raise ShapeError(f"{where}: unknown mesh axis {axis!r} in {annotation!r}; the mesh has axes {mesh.axis_names}")
+            raise ShapeError(f"{where}: unknown mesh axis {axis!r} in {annotation!r}; "
+                             f"the mesh has axes {mesh.axis_names}")
         if axis in mesh.manual_axes:
             divisor *= mesh.shape[axis]
     return divisor
@@ -235,22 +263,26 @@ def check_array(annotation: ArrayType, value, where: str, scope: dict, prefix=()
             )
 
 
-def check(annotation, value, where: str, scope: dict, prefix=()):
-    """Checks `value` against `annotation`; annotations that are not ours are not checked."""
+def check(annotation, value, where: str, scope: dict, prefix=(), masked: bool = False):
+    """Checks `value` against `annotation`; annotations that are not ours are not checked. Under
+    Masked[...] (`masked`), an array may be None."""
     if isinstance(annotation, ArrayType):
-        check_array(annotation, value, where, scope, prefix)
+        if not (masked and value is None):
+            check_array(annotation, value, where, scope, prefix)
     elif isinstance(annotation, Stacked):
-        check(annotation.inner, value, where, scope, prefix + annotation.dims)
+        check(annotation.inner, value, where, scope, prefix + annotation.dims, masked)
+    elif isinstance(annotation, MaskedType):
+        check(annotation.inner, value, where, scope, prefix, masked=True)
     elif is_pytree_dataclass(annotation):
         if not isinstance(value, annotation):
             raise ShapeError(f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
         for f in dataclasses.fields(annotation):
-            check(f.type, getattr(value, f.name), f"{where}.{f.name}", scope, prefix)
+            check(f.type, getattr(value, f.name), f"{where}.{f.name}", scope, prefix, masked)
     elif (args := _tuple_args(annotation)) is not None:
         if not isinstance(value, tuple) or len(value) != len(args):
             raise ShapeError(f"{where}: expected a tuple of {len(args)}, got {type(value).__name__}")
         for i, (a, v) in enumerate(zip(args, value)):
-            check(a, v, f"{where}[{i}]", scope, prefix)
+            check(a, v, f"{where}[{i}]", scope, prefix, masked)
 
 
 def typechecked(f):
@@ -291,7 +323,7 @@ def typed_shard_map(f, mesh: jax.sharding.Mesh | None = None):
 
 
 __all__ = [
-    "Array", "ArrayType", "Dim", "ShapeError", "Stacked", "bf16", "bool_", "check", "f16", "f32", "i32",
-    "is_pytree_dataclass", "make_partition_specs", "make_shardings", "parse_dims", "pytree_dataclass",
+    "Array", "ArrayType", "Dim", "Masked", "ShapeError", "Stacked", "abstract_arrays", "bf16", "bool_", "check", "f16",
+    "f32", "i32", "is_pytree_dataclass", "make_partition_specs", "make_shardings", "parse_dims", "pytree_dataclass",
     "spec_axes", "typechecked", "typed_shard_map", "u32", "u8",
 ]

@@ -388,3 +388,83 @@ def test_ring_pass_forward_and_gradient(dtype):
 def test_ring_pass_refuses_an_axis_that_splits_nothing():
     with pytest.raises(SpecError, match=r"ring_pass: mesh axis 'c' splits no dimension of 'B/d S K/t D'"):
         shardops.ring_pass("B/d S K/t D", jnp.zeros((2, 4, 2, 8)), "c")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_all_to_all_spreads_stacked_matrices_whole_and_sends_them_back(dtype):
+    """On d=2 c=2 t=2, 'layers M/d/c K/t D -> layers/d/c/t M K D' leaves device (i, j, k) layer
+    4i + 2j + k whole (bf16 values bit for bit), and the reversed spec restores the layout it came
+    in; the gradient goes back the way the blocks came."""
+    x, c = rand(8, 4, 6, 2), rand(8, 4, 6, 2)  # layers, M, K, D
+
+    @typed_shard_map
+    def spread(x: f32[b"layers M/d/c K/t D"], c: f32[b"layers/d/c/t M K D"]) -> tuple[
+            f32[b"layers/d/c/t M K D"], f32[b"layers M/d/c K/t D"], f32[b"layers M/d/c K/t D"]]:
+        whole = shardops.all_to_all("layers M/d/c K/t D -> layers/d/c/t M K D", x.astype(dtype))
+        back = shardops.all_to_all("layers/d/c/t M K D -> layers M/d/c K/t D", whole)
+
+        def loss(x):
+            moved = shardops.all_to_all("layers M/d/c K/t D -> layers/d/c/t M K D", x.astype(dtype))
+            return lax.psum(jnp.sum(moved.astype(jnp.float32) * c), ("d", "c", "t"))
+
+        return whole.astype(jnp.float32), back.astype(jnp.float32), jax.grad(loss)(x)
+
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        whole, back, grad = jax.jit(spread)(x, c)
+    rounded = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(whole), rounded)  # global layer i is on device i, whole
+    np.testing.assert_array_equal(np.asarray(back), rounded)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(jnp.asarray(c).astype(dtype).astype(jnp.float32)))
+
+
+def test_all_to_all_puts_each_layer_on_the_device_its_spec_names():
+    """The blocks land where the spec says, not merely somewhere: device (i, j, k) of d=2 c=2 t=2
+    holds layer 4i + 2j + k."""
+    x = np.arange(8, dtype=np.float32)[:, None, None] * np.ones((8, 4, 2), np.float32)  # layer l is all l
+
+    @typed_shard_map
+    def first_value(x: f32[b"layers M/d/c F/t"]) -> f32[b"X/d/c/t"]:
+        whole = shardops.all_to_all("layers M/d/c F/t -> layers/d/c/t M F", x)
+        return whole[:, 0, 0]
+
+    with jax.set_mesh(make_mesh(2, 2, 2)):
+        held = np.asarray(jax.jit(first_value)(x))
+    np.testing.assert_array_equal(held, np.arange(8))
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("layers M/d F/t -> layers/d M F", "keeping every axis"),  # t dropped: a gather
+        ("layers M/d F -> layers/d/t M F", "keeping every axis"),  # t added: a scatter
+        ("layers M/d F/t -> layers M/d F/t", "keeping every axis"),  # nothing moves
+        ("layers M/d/t F -> layers/d M/t F", "innermost"),  # d is not M's innermost axis
+        ("layers M/d F/t -> layers F M/d/t", "same dimensions in the same order"),
+    ],
+)
+def test_malformed_all_to_all_specs(spec, message):
+    with pytest.raises(SpecError, match=message):
+        shardops.all_to_all(spec, np.zeros((4, 4, 4), np.float32))
+
+
+def test_all_to_all_needs_the_dimension_it_splits_to_divide(mesh):
+    @typed_shard_map
+    def spread(x: f32[b"layers M/d F/t"]) -> f32[b"layers/d/t M F"]:
+        return shardops.all_to_all("layers M/d F/t -> layers/d/t M F", x)
+
+    with pytest.raises(SpecError, match=r"cannot be split over d \(4 devices\); pad it to a multiple of 4"):
+        jax.jit(spread)(rand(6, 8, 4))
+
+
+def test_global_norm_sums_each_shard_once(mesh):
+    """The L2 norm of arrays split over d and t, over t only and not at all (replicated) is the
+    norm of the whole arrays on every device: each array's squares are summed over the axes that
+    split it and no other."""
+    a, b, c = rand(8, 6), rand(3, 4), rand(5)
+
+    @typed_shard_map
+    def norm(a: f32[b"M/d F/t"], b: f32[b"X Y/t"], c: f32[b"Z"]) -> f32[b""]:
+        return shardops.global_norm((a, b, c), tuple[f32[b"M/d F/t"], f32[b"X Y/t"], f32[b"Z"]])
+
+    got = float(jax.jit(norm)(a, b, c))
+    assert got == pytest.approx(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in (a, b, c))), rel=1e-6)

@@ -9,7 +9,9 @@ from jax.sharding import PartitionSpec as P
 from fixtures import make_mesh
 from shardlib.shardtypes import (
     Array,
+    Masked,
     ShapeError,
+    abstract_arrays,
     bf16,
     f32,
     make_partition_specs,
@@ -170,3 +172,38 @@ def test_unknown_mesh_axis_inside_shard_map_is_caught():
 def test_not_an_array_is_caught():
     with pytest.raises(ShapeError, match=r"argument 'x': expected an array f32\[b'B L M'\], got list"):
         matmul([1.0], jnp.zeros((4, 5)))
+
+
+@pytree_dataclass
+class TwoStates:
+    net: Net
+    moments: Masked[Net]  # of some of net's leaves
+
+
+def test_masked_leaves_may_be_absent_and_the_present_ones_are_checked():
+    """Masked[Net]: any leaf may be None (an optimizer's state of the weights it does not update);
+    those present are checked as Net's annotations say, and a None outside Masked is still an error.
+    jit places the present leaves with the shardings derived from the annotation."""
+
+    @typechecked
+    def use(state: TwoStates) -> f32[b"layers M/d F/t"]:
+        return state.moments.blocks.w
+
+    net = Net(jnp.zeros((8, 4), jnp.bfloat16), Block(jnp.zeros((3, 4, 6)), jnp.zeros((3, 4))),
+              jnp.zeros((), jnp.uint32))
+    only_w = Net(None, Block(jnp.zeros((3, 4, 6)), None), None)
+    use(TwoStates(net, only_w))
+    with pytest.raises(ShapeError, match=r"'state'.moments.blocks.w: dimension M of f32\[b'layers M/d F/t'\] is 5"):
+        use(TwoStates(net, Net(None, Block(jnp.zeros((3, 5, 6)), None), None)))
+    with pytest.raises(ShapeError, match=r"'state'.net.embed: expected an array"):
+        use(TwoStates(Net(None, net.blocks, net.step), only_w))
+    mesh = make_mesh(4, 2)
+    placed = jax.jit(lambda: TwoStates(net, only_w), out_shardings=make_shardings(TwoStates, mesh))()
+    assert placed.moments.embed is None and placed.moments.blocks.w.sharding.spec == P(None, "d", "t")
+    shapes = abstract_arrays(jax.eval_shape(lambda: TwoStates(net, only_w)), TwoStates, mesh)
+    assert shapes.moments.embed is None and shapes.moments.blocks.w.sharding == placed.moments.blocks.w.sharding
+
+
+def test_masked_takes_only_a_pytree_dataclass():
+    with pytest.raises(ShapeError, match="Masked"):
+        Masked[f32[b"M"]]
