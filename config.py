@@ -77,8 +77,12 @@ class TrainingConfig:
     adam_b1: float
     adam_b2: float
     adam_eps: float
-    weight_decay: float  # decoupled (AdamW, Loshchilov & Hutter 2019), on every weight
+    weight_decay: float  # AdamW's, decoupled (Loshchilov & Hutter 2019): w -= learning_rate * weight_decay * w
     grad_clip: float  # global L2 norm
+    # Muon's (train.MUON names its weights), with Jordan et al. 2024's defaults; the same schedule.
+    muon_learning_rate: float = 0.02  # peak
+    muon_momentum: float = 0.95  # Nesterov
+    muon_weight_decay: float = 0.0  # decoupled, as AdamW's: w -= muon_learning_rate * muon_weight_decay * w
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,7 +191,8 @@ def config_from_dict(cls, values, where: str = ""):
 
 def load_config(name: str, overrides: list[str]) -> Config:
     """configs/<name>.yaml with command-line style overrides, as `python -m train` sees it."""
-    with hydra.initialize_config_dir(config_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"), version_base=None):
+    with hydra.initialize_config_dir(config_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"),
+                                     version_base=None):
         cfg = hydra.compose(config_name=name, overrides=overrides)
     return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
 
@@ -197,7 +202,8 @@ def mesh_misfit(m: ModelConfig, d: int, t: int, c: int = 1) -> str | None:
     not divisible by mesh.AXIS=N', or None when every sharded dimension divides. The rule of
     the weights' annotations in train.py (M over d and c; heads, d_ff and vocabulary over t)."""
     dc = ("d", d) if c == 1 else ("d x mesh.c", d * c)
-    for key, value, (axis, size) in (("d_model", m.d_model, dc), ("n_kv", m.n_kv, ("t", t)), ("d_ff", m.d_ff, ("t", t)), ("vocab", m.vocab, ("t", t))):
+    for key, value, (axis, size) in (("d_model", m.d_model, dc), ("n_kv", m.n_kv, ("t", t)), ("d_ff", m.d_ff, ("t", t)),
+                                     ("vocab", m.vocab, ("t", t))):
         if value % size:
             return f"model.{key}={value} is not divisible by mesh.{axis}={size}"
     return None
@@ -210,16 +216,19 @@ def check_attention_blocks(h: ModelConfig, length: int, c: int = 1):
     if h.attention_block < 1 or length % h.attention_block:
         raise ConfigError(f"model.attention_block={h.attention_block} must divide training.tokens.len={length}")
     if c > 1 and length % (2 * c * h.attention_block):
-        raise ConfigError(f"training.tokens.len={length} must be a multiple of 2 x mesh.c x model.attention_block = {2 * c * h.attention_block}: "
-                          f"with mesh.c={c} each device holds 2 chunks of a row, each of whole blocks; lower model.attention_block or change the length")
+        raise ConfigError(f"training.tokens.len={length} must be a multiple of 2 x mesh.c x model.attention_block = "
+                          f"{2 * c * h.attention_block}: with mesh.c={c} each device holds 2 chunks of a row, each of "
+                          "whole blocks; lower model.attention_block or change the length")
 
 
 def validate_config(cfg: Config, n_devices: int, max_token_id: int):
     """Every mismatch between config, devices and data, found before any compilation."""
     m, d, t, c = cfg.model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
     if d < 1 or t < 1 or c < 1 or d * t * c != n_devices:
-        shown, keys = (f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1 else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c")
-        raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; choose {keys} whose product is {n_devices}")
+        shown, keys = ((f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1
+                       else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c"))
+        raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; "
+                          f"choose {keys} whose product is {n_devices}")
     for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("d_ff", m.d_ff), ("vocab", m.vocab)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")
@@ -227,18 +236,23 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int):
     if misfit:
         raise ConfigError(f"{misfit}; make it a multiple of the mesh axis, or change the mesh")
     if cfg.training.tokens.batch <= 0 or cfg.training.tokens.batch % d:
-        raise ConfigError(f"training.tokens.batch={cfg.training.tokens.batch} is not divisible by mesh.d={d}; make it a positive multiple of {d}")
+        raise ConfigError(f"training.tokens.batch={cfg.training.tokens.batch} is not divisible by mesh.d={d}; "
+                          f"make it a positive multiple of {d}")
     check_attention_blocks(m, cfg.training.tokens.len, c)
     if m.d_head % 2:
         raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
     if m.vocab <= max_token_id:
-        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; set model.vocab to at least {max_token_id + 1}")
+        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; "
+                          f"set model.vocab to at least {max_token_id + 1}")
     if cfg.training.steps < 1 or cfg.training.warmup_steps < 0 or cfg.training.tokens.len < 1:
-        raise ConfigError("training.steps and training.tokens.len must be positive and training.warmup_steps not negative")
+        raise ConfigError("training.steps and training.tokens.len must be positive and "
+                          "training.warmup_steps not negative")
     if cfg.checkpoint_interval < 0:
-        raise ConfigError(f"checkpoint_interval={cfg.checkpoint_interval} must be 0 (save only at the end and on SIGTERM) or a positive step count")
+        raise ConfigError(f"checkpoint_interval={cfg.checkpoint_interval} must be 0 (save only at the end and on "
+                          "SIGTERM) or a positive step count")
     if cfg.eval_interval < 0 or cfg.eval_batches < 0:
-        raise ConfigError(f"eval_interval={cfg.eval_interval} and eval_batches={cfg.eval_batches} must not be negative (eval_batches=0 turns evaluation off)")
+        raise ConfigError(f"eval_interval={cfg.eval_interval} and eval_batches={cfg.eval_batches} must not be negative "
+                          "(eval_batches=0 turns evaluation off)")
     check_values(cfg)
 
 
@@ -258,15 +272,19 @@ def check_values(cfg: Config):
             raise ConfigError(f"training.{key}={value} must be in [0, 1) (typical: 0.9 and 0.95)")
     if not tr.adam_eps > 0:
         raise ConfigError(f"training.adam_eps={tr.adam_eps} must be positive (typical: 1e-8)")
-    if tr.weight_decay < 0:
-        raise ConfigError(f"training.weight_decay={tr.weight_decay} must not be negative (0 turns it off)")
+    for key in ("weight_decay", "muon_weight_decay", "muon_learning_rate"):
+        if getattr(tr, key) < 0:
+            raise ConfigError(f"training.{key}={getattr(tr, key)} must not be negative (0 turns it off)")
+    if not 0 <= tr.muon_momentum < 1:
+        raise ConfigError(f"training.muon_momentum={tr.muon_momentum} must be in [0, 1) (typical: 0.95)")
     if not tr.grad_clip > 0:
         raise ConfigError(f"training.grad_clip={tr.grad_clip} must be positive (typical: 1.0)")
     if not 0 <= tr.final_learning_rate_fraction <= 1:
         raise ConfigError(f"training.final_learning_rate_fraction={tr.final_learning_rate_fraction} must be in [0, 1]")
     name = cfg.paths.model_name
     if not name or "/" in name or name in (".", ".."):
-        raise ConfigError(f"paths.model_name={name!r} must be a plain directory name (not empty, no '/' or '..'); set +paths.model_name=RUN")
+        raise ConfigError(f"paths.model_name={name!r} must be a plain directory name (not empty, no '/' or '..'); "
+                          "set +paths.model_name=RUN")
     c = cfg.checkpoints
     if c.compression in LEVELS and not LEVELS[c.compression][0] <= c.level <= LEVELS[c.compression][1]:
         low, high = LEVELS[c.compression]
