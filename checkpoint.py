@@ -65,6 +65,13 @@ def leaf_names(tree) -> list[str]:
     return names
 
 
+def placements_of(shapes, shardings) -> list:
+    """The sharding of each leaf of `shapes`, in flattening order. `shardings` has the structure
+    of `shapes` but may hold a sharding where `shapes` has None (a leaf the state does not have,
+    such as an optimizer's moment of a weight the other optimizer updates)."""
+    return jax.tree.leaves(jax.tree.map(lambda sharding, x: None if x is None else sharding, shardings, shapes))
+
+
 def stored_dtype(dtype) -> np.dtype:
     """zarr lacks bfloat16 and the float8 types: they are stored as unsigned ints of equal size."""
     dtype = np.dtype(dtype)
@@ -309,7 +316,7 @@ class Checkpointer:
         shapes or dtypes that every checkpoint shares raises."""
         self.wait()
         names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
-        targets, placements = jax.tree.leaves(shapes), treedef.flatten_up_to(shardings)
+        targets, placements = jax.tree.leaves(shapes), placements_of(shapes, shardings)
         complete, unreadable = self.complete_steps(), self._unreadable_steps()
         candidates, damaged = sorted(complete + unreadable), {}
         for step in reversed(candidates):
@@ -377,7 +384,7 @@ class Checkpointer:
                                   f"the committed steps are {self.complete_steps()}")
         names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
         try:
-            leaves = self._read(step, names, jax.tree.leaves(shapes), treedef.flatten_up_to(shardings), subset=True)
+            leaves = self._read(step, names, jax.tree.leaves(shapes), placements_of(shapes, shardings), subset=True)
         except CorruptCheckpoint as e:
             raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {e}") from e
         return jax.tree.unflatten(treedef, leaves)
@@ -397,7 +404,8 @@ class Checkpointer:
         if missing or (extra and not subset):
             what = f"arrays missing {missing}, unexpected {extra}"
             raise StateMismatch(f"checkpoint {path} does not hold this state: {what}; "
-                                "restore with the model it was written with or use a new paths.model_name", what)
+                                "restore with the model and the optimizers (train.MUON's weights) it was written with, "
+                                "or use a new paths.model_name", what)
         arrays = {}
         # absent in old checkpoints
         recorded_shapes, recorded_dtypes = attributes.get("array_shapes"), attributes.get("array_dtypes")

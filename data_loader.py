@@ -34,11 +34,14 @@ import math
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from config import DatasetConfig, DatasetError
+from config import Config, DatasetConfig, DatasetError
 from flat_tokens import FlatTokens
+from shardlib.shardops import all_gather, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +244,28 @@ def zigzag_order(length: int, c: int) -> np.ndarray:
     return np.concatenate([np.arange(start, stop) for start, stop in zigzag_chunks(length, c)])
 
 
+# Inside the training step (shard_map), a token's input, document start and position depend on
+# the tokens before it, which may be on other devices: these two go to whole rows and back (an
+# all-gather over c of a few bytes a token; with c = 1 both are the identity).
+
+
+def whole_rows(x):
+    """[B/d, L/c] (this device's chunks, in the order of zigzag_chunks) -> [B/d, L], the rows in order."""
+    c = axis_size("c")
+    chunks = zigzag_chunks(x.shape[1] * c, c)
+    laid_out = all_gather("B/d L/c -> B/d L", x)
+    offsets = [sum(stop - start for start, stop in chunks[:i]) for i in range(len(chunks))]
+    pieces = [laid_out[:, o : o + stop - start] for (start, stop), o in sorted(zip(chunks, offsets))]
+    return jnp.concatenate(pieces, axis=1)
+
+
+def this_devices_chunks(x):
+    """[B/d, L] whole rows -> [B/d, L/c], the chunks this device holds."""
+    c = axis_size("c")
+    laid_out = jnp.concatenate([x[:, start:stop] for start, stop in zigzag_chunks(x.shape[1], c)], axis=1)
+    return lax.dynamic_slice_in_dim(laid_out, lax.axis_index("c") * (x.shape[1] // c), x.shape[1] // c, axis=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The loader.
 
@@ -326,3 +351,15 @@ def _row_range(index: tuple, batch: int) -> tuple[int, int]:
 def make_loader(settings: DatasetConfig, dataset: FlatTokens, split: str, batch: int, length: int,
                 mesh: jax.sharding.Mesh) -> ShufflingLoader:
     return ShufflingLoader(settings, dataset, split, batch, length, mesh)
+
+
+def evaluation_batches(cfg: Config, dataset: FlatTokens, mesh: jax.sharding.Mesh) -> list[Batch]:
+    """Validation batches 0..eval_batches-1 (none when evaluation is off), read once: every
+    evaluation, on any mesh and after any restart, uses these same batches."""
+    if not cfg.eval_batches:
+        return []
+    loader = make_loader(cfg.dataset, dataset, "validation", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
+    try:
+        return [loader.batch(i) for i in range(cfg.eval_batches)]
+    finally:
+        loader.close()

@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from config import ConfigError, DistributedConfig, DistributedError
+from config import ConfigError, DistributedConfig, DistributedError, SeqaxError
 
 
 def _env_int(name: str) -> int | None:
@@ -331,3 +331,27 @@ def lost_peer(wait: float) -> tuple | None:
     while "lost" not in _watch and _watch and time.monotonic() < deadline:
         time.sleep(0.05)
     return _watch.get("lost")
+
+
+def make_mesh(d: int, t: int, c: int = 1, devices=None) -> jax.sharding.Mesh:
+    """The (d, c, t) mesh over `devices` (default: all, of every process): t innermost (its
+    collectives are the most frequent), then the ring c. Auto axes: arrays are placed with the
+    NamedShardings derived from their annotations, so no explicit-sharding types are needed."""
+    return jax.make_mesh((d, c, t), ("d", "c", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+
+
+def run_program(program):
+    """Runs `program()`, the whole of a command that may be one of several processes: SIGTERM stops
+    it with one line until its training loop takes SIGTERM over; a SeqaxError is printed as one line
+    (process 0 stops the others with a line first) and exits 2; a lost peer is named in one line."""
+    exit_on_sigterm()
+    try:
+        program()
+        leave()  # the other processes' watchdogs take this exit for a finish, not a death
+    except SeqaxError as e:
+        print(f"{console_name()}: error: {e}", file=sys.stderr, flush=True)
+        leave(error=True)
+        sys.exit(2)
+    except jax.errors.JaxRuntimeError as e:
+        exit_if_peer_lost(e)  # several processes: one line naming the likely cause, then exit
+        raise

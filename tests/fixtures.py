@@ -12,7 +12,7 @@ import config
 import train
 from config import load_config
 from data_loader import zigzag_order
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from shardlib.shardtypes import abstract_arrays, bool_, f32, typed_shard_map, u32
 from tools import prepare_dataset
 from tools.launch_local import free_port
 from tools.write_synthetic_dataset import main as write_synthetic_dataset
@@ -98,9 +98,7 @@ def perturbed_weights(cfg: config.Config) -> train.Model:
 
 def abstract_state(cfg: config.Config, mesh) -> train.State:
     """The state's shapes, dtypes and shardings on `mesh`, without any array."""
-    state = jax.eval_shape(lambda: train.init_state(cfg, mesh))
-    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x), state,
-                        make_shardings(train.State, mesh))
+    return abstract_arrays(jax.eval_shape(lambda: train.init_state(cfg, mesh)), train.State, mesh)
 
 
 def random_state(cfg: config.Config, mesh) -> train.State:
@@ -110,11 +108,10 @@ def random_state(cfg: config.Config, mesh) -> train.State:
 
     def draw(part: str):
         positive = np.abs if part == "adam_nu" else np.asarray
-        return jax.tree.map(
-            lambda s: jax.device_put(positive(0.05 * rng.standard_normal(s.shape)).astype(np.float32), s.sharding),
-            getattr(state, part))
+        return jax.tree.map(lambda s: jax.device_put(positive(0.05 * rng.standard_normal(s.shape)).astype(np.float32),
+                                                     s.sharding), getattr(state, part))
 
-    return train.State(draw("weights"), draw("adam_mu"), draw("adam_nu"))
+    return train.State(**{part: draw(part) for part in vars(state)})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def exported(tmp_path_factory):
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
     weights = perturbed_weights(cfg)
     checkpointer = Checkpointer(str(run_dir / "checkpoints"), cfg.checkpoints)
-    checkpointer.save(3, train.State(weights, weights, weights))
+    checkpointer.save(3, train.fresh_state(weights))
     checkpointer.close()
     export_hf.main(["--run-dir", str(run_dir), "--output", str(root / "hf")])
     return cfg, jax.device_get(weights), str(root / "hf"), data

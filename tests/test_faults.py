@@ -15,6 +15,7 @@ import zarr
 import flat_tokens
 import memory
 import train
+import training_io
 from config import ConfigError, DatasetConfig, DatasetError, load_config, validate_config
 from data_loader import make_loader
 from fixtures import abstract_state, make_mesh, snapshot, tiny_config
@@ -239,7 +240,7 @@ def test_a_step_that_cannot_fit_the_free_memory_is_one_line(monkeypatch):
     cfg = tiny_config()
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
     with jax.set_mesh(mesh):
-        compiled = train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh)
+        compiled = training_io.compile_step(train.training_step, cfg, abstract_state(cfg, mesh), mesh)
     memory.check_step_fits(compiled, mesh)  # fits the real machine
     monkeypatch.setattr(memory, "free_memory", lambda device: 2**20)
     with pytest.raises(ConfigError, match=r"the training step needs [\d.]+ GiB per device beyond its state "

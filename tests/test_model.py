@@ -11,6 +11,7 @@ from jax import lax
 
 import reference
 import train
+import training_io
 from fixtures import (
     abstract_state,
     make_mesh,
@@ -142,8 +143,7 @@ def test_training_step_reports_reference_loss_and_grad_norm(problem):
     mesh = make_mesh(4, 2)
     with jax.set_mesh(mesh):
         shardings = make_shardings(train.State, mesh)
-        zeros = jax.tree.map(np.zeros_like, weights)
-        state = jax.device_put(train.State(weights, zeros, zeros), shardings)
+        state = jax.jit(train.fresh_state, out_shardings=shardings)(weights)
         new_state, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), cfg)
     assert abs(float(metrics.loss) - ref_loss) <= 1e-4 * ref_loss
     assert abs(float(metrics.grad_norm) - ref_norm) <= 1e-2 * ref_norm
@@ -157,7 +157,7 @@ def test_every_matmul_of_the_training_step_has_bf16_operands():
     plain autodiff of a bf16 x bf16 -> f32 product would give (several times slower)."""
     cfg, mesh = tiny_config(), make_mesh(4, 2)
     with jax.set_mesh(mesh):
-        hlo = train.compile_training_step(cfg, abstract_state(cfg, mesh), mesh).as_text()
+        hlo = training_io.compile_step(train.training_step, cfg, abstract_state(cfg, mesh), mesh).as_text()
     types = {}  # instruction -> its element type, per computation (fused computations name their parameters)
     dots = []
     for line in hlo.splitlines():

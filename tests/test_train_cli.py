@@ -8,8 +8,10 @@ import re
 import pytest
 
 import train
-from config import SeqaxError, load_config
-from fixtures import run_overrides, run_train, synthetic_dataset, train_args
+import training_io
+from checkpoint import Checkpointer
+from config import CheckpointError, SeqaxError, load_config
+from fixtures import make_mesh, run_overrides, run_train, synthetic_dataset, tiny_overrides, train_args
 
 EARLIER_METRICS = '{"step": 0, "loss": 1.0}\n'  # an earlier run's file, which a bad config must leave alone
 
@@ -74,10 +76,10 @@ def test_bad_config_stops_before_compiling(small_dataset, tmp_path, monkeypatch,
     compiled and before anything is written."""
     run_dir = earlier_run(tmp_path)
 
-    def compile_training_step(*args):
+    def compile_step(*args):
         raise AssertionError("the training step was compiled despite a bad config")
 
-    monkeypatch.setattr(train, "compile_training_step", compile_training_step)
+    monkeypatch.setattr(training_io, "compile_step", compile_step)
     with pytest.raises(SeqaxError, match=message):
         cfg = load_config("local_test_synthetic", run_overrides(tmp_path, small_dataset, "bad", *overrides))
         train.train(cfg, "unused: true\n")
@@ -97,3 +99,31 @@ def test_bad_config_on_the_command_line_is_one_line_on_stderr(small_dataset, tmp
     assert re.search(r"training.tokens.batch=62 is not divisible by mesh.d=4", lines[0]), lines[0]
     assert "step" not in result.stdout  # no step ran
     assert_untouched(run_dir)
+
+
+@pytest.mark.parametrize("written_with", [{}, {k: v for k, v in train.MUON.items() if k != "w_q"}],
+                         ids=["adamw_only", "muon_without_w_q"])
+def test_a_checkpoint_of_other_optimizers_stops_the_resumed_run_with_one_line(small_dataset, tmp_path, monkeypatch,
+                                                                             written_with):
+    """A checkpoint written by the AdamW-only version (MUON = {}), or with another list of Muon
+    weights, holds other optimizer state than this run's: resuming stops before anything is
+    written, with one line naming the arrays that differ, and the checkpoint stays as it was."""
+    cfg = load_config("local_test_synthetic", run_overrides(tmp_path, small_dataset, "resumed", *tiny_overrides()))
+    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
+    checkpoints = tmp_path / "resumed" / "checkpoints"
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "MUON", written_with)
+        checkpointer = Checkpointer(str(checkpoints), cfg.checkpoints)
+        checkpointer.save(2, train.init_state(cfg, mesh))
+        checkpointer.close()
+    before = {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError) as stopped:
+        train.train(cfg, "unused: true\n")
+    message = str(stopped.value)
+    assert "\n" not in message and "does not hold this state" in message
+    differing = ["muon_momentum.layers.w_q", "adam_mu.layers.w_q", "adam_nu.layers.w_q"]
+    assert all(name in message for name in differing), message
+    if written_with:  # only w_q's state differs
+        assert "w_k" not in message, message
+    assert {p: p.read_bytes() for p in checkpoints.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in (tmp_path / "resumed").iterdir()) == [".lock", "checkpoints"]
