@@ -1,11 +1,14 @@
 """What a training step sends between devices: the collectives of the compiled step's HLO, each
 counted as often as it runs (a while loop's body `trip count` times), as bytes that one device
-sends, next to what a formula predicts and the time those bytes take over a given link.
+sends, and the time those bytes take over a given link. It reads what the code does, so a change
+to the model or the optimizer needs no change here (docs/observability.md derives the same bytes
+by hand, as a cross-check).
 
 Bytes one device sends per collective over a group of g devices (ring algorithms, which NCCL,
 ICI and gloo use for large messages): all-gather and reduce-scatter (g-1)/g of the gathered
-(or scattered) full array, all-reduce twice that, a permute its whole operand. A collective over
-a group of one device sends nothing. The figures are per step and per device.
+(or scattered) full array, all-reduce twice that, all-to-all (g-1)/g of its operand (it keeps
+one block of g), a permute its whole operand. A collective over a group of one device sends
+nothing. The figures are per step and per device.
 """
 
 import collections
@@ -14,9 +17,8 @@ import math
 import re
 
 import hlo_graph
-from config import Config
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
             "f64": 8, "s64": 8, "u64": 8}
@@ -129,45 +131,6 @@ def _holds_collective(computations: dict, name: str, path: tuple):
             yield from _holds_collective(computations, called, path + (name,))
 
 
-def predicted_per_step(cfg: Config) -> dict[tuple[str, str], float]:
-    """Bytes one device sends per step, by (collective, dtype), as train.py's code should send
-    them (step_collectives reads what the compiled step does, for comparison). A ring collective
-    over g devices sends (g-1)/g of the full array, an all-reduce twice that. FSDP over d and c:
-    each layer weight is gathered twice (forward, and again by the backward pass's
-    rematerialization) as bf16 (sent as u16 bits) and its gradient reduce-scattered once in f32;
-    the embedding table goes in f32. TP over t: per layer the forward gathers the residual twice
-    and scatters it twice, the backward regathers it twice and transposes all four; embedding and
-    logits add one of each each way. The ring over c, per layer: the forward passes k, v (bf16,
-    sent as u16 bits), doc_start and row_position c times (the rematerialization does not rerun
-    attention: what its backward needs is saved), the backward c times more, and the f32 gradients of k and
-    v c + 1 times (attention.ring_attention_backward); XLA hoists the forward's passes of
-    doc_start and row_position out of the layers' loop (they are the same for every layer).
-    Norm gradients and the scalars are all-reduced. Collectives that send nothing are left out."""
-    h, (B, L), d, t, c = (cfg.model, (cfg.training.tokens.batch, cfg.training.tokens.len),
-                          cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
-    M, Q, K, D, F, V = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab
-    over_dc, over_t, over_c, over_all = (d * c - 1) / (d * c), (t - 1) / t, (c - 1) / c, (d * t * c - 1) / (d * t * c)
-    # elements per device once gathered over d and c
-    layer_weights = (2 * M * Q * K * D + 2 * M * K * D + 3 * M * F) / t
-    tokens = B // d * L // c  # of one device
-    residual, kv = tokens * M * 4, tokens * K // t * D  # f32 bytes of x gathered over t; elements of k (or v)
-    ring = (c > 1) * h.layers  # ring_pass does nothing over one device
-    predicted = {
-        ("all-gather", "u16"): (2 * h.layers * layer_weights + M * V / t) * 2 * over_dc,
-        ("all-gather", "f32"): V / t * M * 4 * over_dc + (6 * h.layers + 2) * residual * over_t,
-        ("all-gather", "u32"): B // d * L * 4 * over_c,  # whole_rows of the targets
-        ("all-gather", "pred"): B // d * L * over_c,  # whole_rows of is_seq_start
-        ("reduce-scatter", "f32"): (h.layers * layer_weights + 2 * V / t * M) * 4 * over_dc
-                                   + (4 * h.layers + 2) * residual * over_t,
-        ("all-reduce", "f32"): 2 * ((2 * h.layers + 1) * M * 4 * over_all + 3 * tokens * 4 * over_t
-                                    + 4 * over_dc + 4 * over_all),
-        ("collective-permute", "u16"): ring * 2 * c * 2 * kv * 2,
-        ("collective-permute", "u32"): (ring + (c > 1)) * c * (tokens + L // c) * 4,
-        ("collective-permute", "f32"): ring * (c + 1) * 2 * kv * 4,
-    }
-    return {key: value for key, value in predicted.items() if value}
-
-
 def totals(collectives: list[Collective]) -> dict[tuple[str, str], float]:
     """Bytes sent per device per step by (kind, dtype)."""
     out: collections.Counter = collections.Counter()
@@ -176,21 +139,21 @@ def totals(collectives: list[Collective]) -> dict[tuple[str, str], float]:
     return dict(out)
 
 
-def report(title: str, measured: dict[tuple[str, str], float], predicted: dict[tuple[str, str], float]) -> str:
-    """The communication report: bytes per device per step by collective and dtype, from the HLO
-    and from the formula, and the time the HLO's total takes at each link bandwidth."""
+def report(title: str, collectives: list[Collective]) -> str:
+    """The communication report: bytes per device per step by collective and dtype, read from the
+    compiled step's HLO (step_collectives), and the time their total takes at each link bandwidth."""
     MiB = 2**20
+    sent, runs = totals(collectives), collections.Counter()
+    for c in collectives:
+        runs[(c.kind, c.dtype)] += c.runs
     lines = [f"Communication per device per step of the training step: {title}", "",
-             f"  {'collective':<18} {'dtype':<20} {'HLO (loops counted)':>20} {'formula':>12} {'HLO / formula':>14}"]
-    for key in sorted(set(measured) | set(predicted)):
-        m, p = measured.get(key, 0.0), predicted.get(key, 0.0)
-        ratio = f"{m / p:.3f}" if p else "-"
-        lines.append(f"  {key[0]:<18} {SHOWN_DTYPE.get(key[1], key[1]):<20} {m / MiB:16.3f} MiB "
-                     f"{p / MiB:8.3f} MiB {ratio:>14}")
-    total_m, total_p = sum(measured.values()), sum(predicted.values())
-    lines.append(f"  {'total':<39} {total_m / MiB:16.3f} MiB {total_p / MiB:8.3f} MiB "
-                 f"{total_m / total_p if total_p else 0:14.3f}")
-    lines += ["", "Time to send the HLO's total at a link's bandwidth per device (no overlap with compute assumed):"]
-    lines += [f"  {name:<52} {bandwidth / 1e9:6.0f} GB/s  {total_m / bandwidth * 1e3:9.3f} ms"
+             f"  {'collective':<18} {'dtype':<20} {'runs per step':>14} {'sent (HLO, loops counted)':>30}"]
+    for key in sorted(sent):
+        shown = SHOWN_DTYPE.get(key[1], key[1])
+        lines.append(f"  {key[0]:<18} {shown:<20} {runs[key]:14d} {sent[key] / MiB:26.3f} MiB")
+    total = sum(sent.values())
+    lines.append(f"  {'total':<54} {total / MiB:26.3f} MiB")
+    lines += ["", "Time to send the total at a link's bandwidth per device (no overlap with compute assumed):"]
+    lines += [f"  {name:<52} {bandwidth / 1e9:6.0f} GB/s  {total / bandwidth * 1e3:9.3f} ms"
               for name, bandwidth in LINK_BANDWIDTH]
     return "\n".join(lines) + "\n"

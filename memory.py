@@ -119,15 +119,32 @@ def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list
     return kept
 
 
-def memory_estimate(state, layers: int, layer_residuals: list[str],
-                    logits) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+def muon_bytes(layer_weights, muon: dict) -> int:
+    """Bytes per device of Muon's largest orthogonalization (train.muon_update, one weight at a
+    time): ceil(layers / devices) whole matrices of the weight, r x c wide, on each device, sent
+    and received in bf16 (2 + 2 bytes an element) with Newton-Schulz's temporaries (X in f32 and
+    bf16, X^T, B X and the next X: 16 bytes an element; A = X X^T, A A and B in f32 and bf16: 16
+    bytes an element of the r x r Gram matrix). `muon` is train.MUON: weight -> (spec, rows)."""
+    largest = 0
+    for name, (_, rows) in muon.items():
+        w = getattr(layer_weights, name)
+        per_device = -(-w.shape[0] // w.sharding.mesh.size)
+        r, c = sorted((math.prod(w.shape[1 : 1 + rows]), math.prod(w.shape[1 + rows :])))
+        largest = max(largest, per_device * (20 * r * c + 16 * r * r))
+    return largest
+
+
+def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
+                    muon: dict) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
     """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
 
-    `state` has the weights and Adam moments (fields weights, adam_mu, adam_nu) as arrays or
+    `state` has the weights and the optimizers' state (train.State) as arrays or
     ShapeDtypeStructs with shardings; `layers` is how many layers are stacked; `layer_residuals`
     are print_saved_residuals lines of one layer (see layer_saved_values); `logits` is a
-    ShapeDtypeStruct of one device's logits. The same on every platform: bf16 values are saved
-    as their bits (jax_extra.save_for_backward), so XLA:CPU no longer keeps f32 copies of them."""
+    ShapeDtypeStruct of one device's logits; `muon` is train.MUON (see muon_bytes). The same on
+    every platform: bf16 values are saved as their bits (jax_extra.save_for_backward), so
+    XLA:CPU keeps no f32 copies of them. Every term is added, although Muon's buffers exist only
+    once the backward pass has freed the saved activations: an estimate from above."""
     weights = per_device_bytes(state.weights)
     saved = layer_saved_values(layer_residuals)
     saved_per_layer = sum(size for _, size, _ in saved)
@@ -136,7 +153,8 @@ def memory_estimate(state, layers: int, layer_residuals: list[str],
     logits_bytes = math.prod(logits.shape) * jnp.dtype(logits.dtype).itemsize
     terms = [
         ("weights (f32, sharded as annotated)", weights),
-        ("Adam moments (f32 mu and nu)", per_device_bytes((state.adam_mu, state.adam_nu))),
+        ("optimizer state (f32: Muon's momentum, AdamW's mu and nu)",
+         per_device_bytes([getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "weights"])),
         ("gradients (f32, reduce-scattered like the weights)", weights),
         # The forward gathers a layer's weights as bf16 (all_gather_cast); the backward gathers
         # them again (they are not saved) and builds their whole f32 gradient before
@@ -144,6 +162,8 @@ def memory_estimate(state, layers: int, layer_residuals: list[str],
         ("largest gathered weights of one layer: bf16, f32 gradient", round(1.5 * gathered)),
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
+        ("Muon: its largest weight's whole matrices on this device, Newton-Schulz's temporaries",
+         muon_bytes(state.weights.layers, muon)),
     ]
     # Ring attention (mesh.c > 1) holds, besides a layer's own k and v, the arriving shard of
     # them (bf16) and, in the backward pass, the f32 gradients of the held shard travelling on
@@ -165,11 +185,11 @@ def compiled_peak_bytes(analysis) -> int:
     return max(allocated, getattr(analysis, "peak_memory_in_bytes", 0))
 
 
-def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits,
+def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits, muon: dict,
                   title: str) -> tuple[str, float, float]:
     """The memory report (text), the estimate and XLA's peak, in bytes per device: the terms of
     memory_estimate() next to compiled.memory_analysis()."""
-    terms, saved = memory_estimate(state, layers, layer_residuals, logits)
+    terms, saved = memory_estimate(state, layers, layer_residuals, logits, muon)
     estimate = sum(size for _, size in terms)
     lines = [f"Memory per device of the training step: {title}", "",
              "Estimate from the code's annotations (shardings of the types, save_for_backward):"]

@@ -122,33 +122,54 @@ def peak_flops() -> tuple[float | None, str]:
             f"{jax.device_count()} x {device.device_kind} at {per_device / 1e12:.0f} TFLOP/s")
 
 
-def flops_check(compiled, cfg, flops_per_token) -> str:
-    """The formula `flops_per_token(model config, seq_len)` against XLA's count for the compiled
-    step of the run's config `cfg`, as a line of text.
+def flops_check(compiled, cfg, flops_per_token, optimizer_flops) -> str:
+    """The model's FLOPs per step (`flops_per_token(model config, seq_len)` times the tokens), the
+    optimizer's (`optimizer_flops(model config, devices)`: in all and on the busiest device) and
+    XLA's count for the compiled step of the run's config `cfg`, as a line of text.
 
-    XLA's cost_analysis() counts the body of a while loop once, not once per iteration. Seen on
-    jax 0.10.2 for local_test_synthetic on one device (at b5dde31): XLA says 30.4, 30.6 and 30.7 GFLOP per
-    step for 1, 2 and 4 layers, the formula 30.0, 51.9 and 95.8. So the layer scan counts as one
-    layer, and the comparable number is the formula with layers=1 (both ratios are printed, in
-    case a later XLA multiplies by the trip count). With one layer XLA counts a little more than
-    the formula, +2.5% for local_test_synthetic: the full L x L score matmuls where the formula
-    takes the causal half, plus QK^T recomputed in the backward pass (+0.9% together), and
-    elementwise work, 1 FLOP per element per operation (the rest)."""
+    XLA's cost_analysis() counts the body of a while loop once, not once per iteration (on jax
+    0.10.2 local_test_synthetic on one device counts 30.4, 30.6 and 30.7 GFLOP per step for 1, 2 and
+    4 layers, where the model has 30.0, 51.9 and 95.8). So the layer scan counts as one layer, and
+    the comparable number is the model's with layers=1 plus the optimizer's on every device (both
+    ratios are printed, in case a later XLA multiplies by the trip count). XLA counts a little more
+    than that: the full L x L score matmuls where MFU takes the causal half, QK^T recomputed in the
+    backward pass, and elementwise work, 1 FLOP per element per operation (docs/observability.md)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    xla = float(cost.get("flops", 0.0)) * jax.device_count() if cost else 0.0
+    devices = jax.device_count()
+    xla = float(cost.get("flops", 0.0)) * devices if cost else 0.0
     seq_len, tokens_per_step = cfg.training.tokens.len, cfg.training.tokens.batch * cfg.training.tokens.len
     formula = flops_per_token(cfg.model, seq_len) * tokens_per_step
     one_layer = flops_per_token(dataclasses.replace(cfg.model, layers=1), seq_len) * tokens_per_step
+    optimizer, busiest = optimizer_flops(cfg.model, devices)
+    line = (f"FLOPs per step: model {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); optimizer "
+            f"(Newton-Schulz) {optimizer / 1e9:.4g} GFLOP = {optimizer / formula:.1%} of the model's, "
+            f"{busiest / 1e9:.4g} on the busiest of {devices} devices")
     if not xla:
-        return f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP; XLA gives no cost analysis on this backend"
-    return (f"model FLOPs per step: formula {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); "
-            f"XLA cost_analysis {xla / 1e9:.4g} GFLOP = {xla / formula:.3f} x formula, "
-            f"{xla / one_layer:.3f} x formula with one layer (XLA counts a loop body once)")
+        return line + "; XLA gives no cost analysis on this backend"
+    return line + (f"; XLA cost_analysis {xla / 1e9:.4g} GFLOP = {xla / (formula + busiest * devices):.3f} x model "
+                   f"+ optimizer, {xla / (one_layer + busiest * devices):.3f} x that with one layer "
+                   "(XLA counts a loop body once)")
 
 
 # ---------------------------------------------------------------------------------------------
 # The run log.
+
+
+def compile_step(training_step, cfg, state, mesh):
+    """`training_step(state, step, targets, is_seq_start, loss_mask, cfg)` (train.py's) compiled
+    ahead of time for this state (arrays or ShapeDtypeStructs) and batches of the config's shape
+    split over d and c, as the loader makes them, so that a run reports its compile time, FLOPs
+    and memory before the first step; the loop runs it."""
+    shape = (cfg.training.tokens.batch, cfg.training.tokens.len)
+    sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c"))
+    batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
+    return training_step.lower(state, jnp.uint32(0), *batch, cfg).compile()
+
+
+def is_due(interval: int, done: int, steps: int) -> bool:
+    """Whether something that runs every `interval` steps (0: only at the end) runs after `done` steps."""
+    return done == steps or (interval > 0 and done % interval == 0)
 
 
 def warn(message: str):
@@ -177,15 +198,18 @@ DOT_WAIT_SECONDS = 30  # how long the end of a run waits for graphviz, which sta
 class RunLog:
     """Everything a run prints and writes besides checkpoints. `cfg` is the run's config.Config;
     the run starts (or resumes) at step `start`; `flops_per_token(model config, seq_len)` counts
-    the model's FLOPs (train.model_flops_per_token); the profiler traces `profiled_steps` steps
-    after the first. Only process 0 prints and writes.
+    the model's FLOPs (train.model_flops_per_token) and `optimizer_flops(model config, devices)` the
+    optimizer's per step, in all and on the busiest device (train.newton_schulz_flops); the profiler
+    traces `profiled_steps` steps after the first. Only process 0 prints and writes.
 
     A step's line is written when the next step has been dispatched (after_step), so that reading
     its scalars never stalls the device; flush() writes the step still held back (before a
     checkpoint commits), and eval() and close() flush first, so lines stay in step order."""
 
-    def __init__(self, run_dir: str, resolved_yaml: str, cfg, start: int, flops_per_token, profiled_steps: int = 2):
-        self.run_dir, self.cfg, self.flops_per_token = run_dir, cfg, flops_per_token
+    def __init__(self, run_dir: str, resolved_yaml: str, cfg, start: int, flops_per_token, optimizer_flops,
+                 profiled_steps: int = 2):
+        self.run_dir, self.cfg = run_dir, cfg
+        self.flops_per_token, self.optimizer_flops = flops_per_token, optimizer_flops
         self.writes = jax.process_index() == 0
         self.tokens_per_step = cfg.training.tokens.batch * cfg.training.tokens.len
         self.model_flops_per_token = flops_per_token(cfg.model, cfg.training.tokens.len)
@@ -235,7 +259,7 @@ class RunLog:
         started = time.perf_counter()
         compiled = lower_and_compile()
         self.print(f"compiled the training step in {time.perf_counter() - started:.1f} s")
-        self.print(flops_check(compiled, self.cfg, self.flops_per_token))
+        self.print(flops_check(compiled, self.cfg, self.flops_per_token, self.optimizer_flops))
         if self.writes:
             self._write_hlo(compiled.as_text())
         return compiled
@@ -268,30 +292,29 @@ class RunLog:
         return (f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, "
                 f"{jax.device_count()} x {jax.devices()[0].device_kind}")
 
-    def memory_report(self, compiled, state, mesh, layer):
+    def memory_report(self, compiled, state, mesh, layer, muon: dict):
         """Prints the memory report and writes memory_report.txt (memory.py; see
-        memory.memory_annotations for `layer`)."""
+        memory.memory_annotations for `layer`, memory.memory_estimate for `muon`)."""
         if not self.writes:
             return
         title = self.mesh_title()
         text, _, _ = memory.memory_report(compiled, state, self.cfg.model.layers,
-                                          *memory.memory_annotations(self.cfg, mesh, state, layer), title)
+                                          *memory.memory_annotations(self.cfg, mesh, state, layer), muon, title)
         self.print(text.rstrip())
         self.write("memory_report.txt", text)
 
     def communication_report(self, compiled):
-        """Prints the communication report and writes communication_report.txt: the compiled
-        step's collectives next to communication.predicted_per_step's formula."""
+        """Prints the communication report and writes communication_report.txt: what the compiled
+        step's collectives send (communication.py)."""
         if not self.writes:
             return
-        predicted = communication.predicted_per_step(self.cfg)
         title = self.mesh_title()
         try:
-            measured = communication.totals(communication.step_collectives(compiled.as_text()))
+            collectives = communication.step_collectives(compiled.as_text())
         except ValueError as e:  # a report must not stop a run, e.g. if a new XLA prints HLO differently
             warn(f"no communication report: {e}")
             return
-        text = communication.report(title, measured, predicted)
+        text = communication.report(title, collectives)
         self.print(text.rstrip())
         self.write("communication_report.txt", text)
 

