@@ -43,8 +43,20 @@ BOS_TOKEN = "<seqax_bos>"
 PAD_TOKEN = "<seqax_pad>"
 
 
+# The weights of train.Model that a Hugging Face Llama has a place for (hf_tensors maps each).
+LLAMA_WEIGHTS = {"embed", "final_norm", "unembed", "layers.attn_norm", "layers.w_q", "layers.w_k", "layers.w_v",
+                 "layers.w_o", "layers.ffn_norm", "layers.w_gate", "layers.w_up", "layers.w_down"}
+
+
 def hf_tensors(w, h) -> dict[str, np.ndarray]:
-    """HF Llama parameter names -> float32 arrays, from train.Model numpy weights `w`."""
+    """HF Llama parameter names -> float32 arrays, from train.Model numpy weights `w`. A weight that
+    Llama has no place for (a model edit, such as QK-norm) stops the export: it would be dropped."""
+    names = {jax.tree_util.keystr(path, simple=True, separator=".")
+             for path, _ in jax.tree_util.tree_flatten_with_path(w)[0]}
+    if names - LLAMA_WEIGHTS:
+        raise ConfigError(f"the model has weights that a Hugging Face Llama has no place for: "
+                          f"{sorted(names - LLAMA_WEIGHTS)}; tools/export_hf.py's hf_tensors would drop them, so it "
+                          "exports none (extend it for this model)")
     M, Q, K, D = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.unembed.T}
     layers = w.layers
