@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from jax.experimental import multihost_utils
 
 import sharded_zarr
 from config import CheckpointConfig, CheckpointError, ConfigError
+from multihost import console_name
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^\d{10}$")
@@ -492,9 +494,16 @@ class PreemptionWatch:
         self.requested = True  # only a flag: the loop may be anywhere, even inside a print
 
     def reached(self, step: int) -> bool:
+        """Whether the run stops after `step`: then the loop saves checkpoint step + 1 and exits, and
+        this prints the line that says so."""
         if jax.process_count() > 1:
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.requested
+            preempted = multihost_utils.reached_preemption_sync_point(step)
+        else:
+            preempted = self.requested
+        if preempted:
+            print(f"{console_name()}: preempted: checkpoint {step + 1} is being written; exiting", file=sys.stderr,
+                  flush=True)
+        return preempted
 
     def __exit__(self, *exc):
         if self.previous is not None:

@@ -25,7 +25,6 @@ import contextlib
 import math
 import os
 import signal
-import sys
 from functools import partial
 
 if __name__ == "__main__":  # `python -m train`: a SIGTERM during the imports below gets multihost's line too
@@ -48,7 +47,7 @@ from data_loader import evaluation_batches, make_loader, this_devices_chunks, wh
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from memory import check_step_fits
-from multihost import console_name, initialize_distributed, make_mesh, run_program
+from multihost import initialize_distributed, make_mesh, run_program
 from shardlib.shardops import (all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm,
                                index_unreduced, psum, psum_scatter, take_unreduced)
 from shardlib.shardtypes import Array, Masked, bool_, f32, make_shardings, pytree_dataclass, typechecked
@@ -134,10 +133,9 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
 
 @typechecked
 def document_positions(is_seq_start: bool_[b"B/d L"]) -> tuple[u32[b"B/d L"], u32[b"B/d L"]]:
-    """(where its document starts, position within the document) of every token of whole rows.
-    Positions restart at each document so that a packed document sees the same RoPE phases as
-    one generated alone. A row's first tokens belong to a document that started earlier (start
-    0) unless is_seq_start says otherwise."""
+    """(where its document starts, position within the document) of every token of whole rows. Positions
+    restart at each document, so that a packed document sees the RoPE phases of one generated alone. A row's
+    first tokens belong to a document that started earlier (start 0) unless is_seq_start says otherwise."""
     index = jnp.arange(is_seq_start.shape[1], dtype=jnp.uint32)
     doc_start = lax.cummax(jnp.where(is_seq_start, index, 0), axis=1)
     return doc_start, index - doc_start
@@ -479,8 +477,6 @@ def train(cfg: Config, resolved_yaml: str):
             if eval_batches and training_io.is_due(cfg.eval_interval, done, cfg.training.steps):
                 log.eval(done, evaluate(cfg, state.weights, eval_batches))
             if preempted:
-                print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting",
-                      file=sys.stderr, flush=True)
                 break
     return state
 
