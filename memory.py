@@ -162,7 +162,7 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
         ("largest gathered weights of one layer: bf16, f32 gradient", round(1.5 * gathered)),
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
-        ("Muon: its largest weight's whole matrices on this device, Newton-Schulz's temporaries",
+        ("Muon: the largest weight's whole matrices here, Newton-Schulz's temporaries",
          muon_bytes(state.weights.layers, muon)),
     ]
     # Ring attention (mesh.c > 1) holds, besides a layer's own k and v, the arriving shard of
