@@ -10,8 +10,8 @@ Per config: the parameters; the model's FLOPs per step (train.model_flops_per_to
 Newton-Schulz FLOPs (train.newton_schulz_flops), in all and as a share of the step's time at equal
 MFU (the busiest device's Newton-Schulz over a device's share of the model's FLOPs); and two
 memory figures per device, both in GiB:
-- estimate: memory.memory_estimate, from the code's annotations (weights, Adam moments,
-  gradients, one layer's gathered weights, every save_for_backward, the logits), without the
+- estimate: memory.memory_estimate, from the code's annotations (weights, optimizer state,
+  gradients, one layer's gathered weights, every save_for_backward, the logits, Muon's buffers), without the
   f32 copies that only XLA:CPU makes: what a GPU or TPU holds, give or take XLA's temporaries.
 - XLA:CPU peak: memory_analysis() of the step compiled here. XLA:CPU has no bf16 arithmetic and
   fuses differently from XLA:GPU/TPU, so this is a second opinion, usually the larger.
