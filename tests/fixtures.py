@@ -24,7 +24,7 @@ TINY = [
     "model.d_model=64", "model.n_q_per_kv=2", "model.n_kv=8", "model.d_head=8", "model.d_ff=128", "model.layers=2",
     "model.vocab=256", "model.attention_block=8",
     "training.tokens.batch=8", "training.tokens.len=16", "training.steps=20", "training.warmup_steps=4",
-    "training.learning_rate=1e-2", "training.weight_decay=0.1",
+    "training.learning_rate=1e-2", "training.weight_decay=0.1", "training.muon_learning_rate=0.02",
 ]
 
 # ---------------------------------------------------------------------------------------------
