@@ -77,3 +77,10 @@ def test_one_module_defines_the_attention_kernels_and_their_specification():
 
 def test_train_py_is_at_most_500_lines():
     assert sum(1 for _ in open(MODULES["train"])) <= 500
+
+
+def test_train_py_is_at_most_120_columns():
+    """The 500 lines are not met with wide lines (ruff's E501 checks every file; this names the line)."""
+    wide = [(number, len(line.rstrip("\n"))) for number, line in enumerate(open(MODULES["train"]), start=1)
+            if len(line.rstrip("\n")) > 120]
+    assert not wide, f"train.py lines over 120 columns (line, width): {wide}"
