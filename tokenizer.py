@@ -22,6 +22,7 @@ import zarr
 from config import DatasetError, TokenizerError
 
 ID_OFFSET = 1  # stored id = tokenizer id + 1; 0 is the begin-of-document input
+EOD_TOKEN = "<eod>"  # the bytes tokenizer's end of document, in its tokenizer.json
 MAX_ID = 2**31 - 1  # flat-tokens stores id * 2 + is_start in uint32
 
 
@@ -37,6 +38,10 @@ class ByteTokenizer:
         return [np.concatenate([np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32) + ID_OFFSET,
                                 np.array(tail, np.uint32)]) for t in texts]
 
+    def text_ids(self, text: str) -> np.ndarray:
+        """The ids of `text`, without an end of document."""
+        return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.uint32) + ID_OFFSET
+
     def decode(self, ids) -> str:
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[(ids >= ID_OFFSET) & (ids < 256 + ID_OFFSET)]
@@ -45,6 +50,23 @@ class ByteTokenizer:
     def identity(self) -> dict:
         return {"kind": self.kind, "bos_id": 0, "eos_id": self.eos_id, "id_offset": ID_OFFSET,
                 "vocab_size": self.vocab_size}
+
+    def tokenizer_json(self) -> str:
+        """This tokenizer as a `tokenizers` tokenizer.json, with ids before the + 1 (byte b is id b,
+        the end of document EOD_TOKEN 256), so that a tool reading tokenizer.json files (the
+        export, which shifts the ids) treats it as any other: a byte-level BPE without merges, each
+        byte one token, under GPT-2's printable stand-ins for bytes."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        stand_in = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+        tok = Tokenizer(models.BPE({stand_in[b]: b for b in range(256)}, []))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        if self.eos_id is not None:
+            tok.add_special_tokens([EOD_TOKEN])
+        return tok.to_str()
 
     def spec(self) -> tuple:
         """What a worker process needs to rebuild this tokenizer."""
@@ -77,6 +99,10 @@ class JsonTokenizer:
         tail = np.array([] if self.eos_id is None else [self.eos_id], np.uint32)
         return [np.concatenate([np.array(e.ids, np.uint32) + np.uint32(ID_OFFSET), tail])
                 for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def text_ids(self, text: str) -> np.ndarray:
+        """The ids of `text`, without an end of document."""
+        return np.array(self.tokenizer.encode(text, add_special_tokens=False).ids, np.uint32) + np.uint32(ID_OFFSET)
 
     def decode(self, ids) -> str:
         ids = [int(i) - ID_OFFSET for i in np.asarray(ids).ravel() if int(i) >= ID_OFFSET and int(i) != self.eos_id]

@@ -8,6 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from config import TokenizerError
+from tokenizer import ByteTokenizer
 from tools.export_hf import BOS_TOKEN, PAD_TOKEN, exported_tokenizer_json, pad_id, shifted_tokenizer_json
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "hello world, the dog sleeps",
@@ -123,3 +124,16 @@ def test_pad_id_is_a_spare_row_else_end_of_document_and_never_zero():
     assert pad_id(data_vocab=181, model_vocab=192, eos_id=3) == 181
     assert pad_id(data_vocab=192, model_vocab=192, eos_id=3) == 3
     assert pad_id(data_vocab=192, model_vocab=192, eos_id=None) is None
+
+
+def test_a_bytes_dataset_exports_a_tokenizer_of_its_own_ids():
+    """The bytes tokenizer as a tokenizer.json, shifted like any other: [0] + each UTF-8 byte + 1,
+    decoding back to the text, with <eod> at 257 (the dataset's end of document) and the pad above."""
+    exported = Tokenizer.from_str(json.dumps(exported_tokenizer_json(ByteTokenizer(eos=True).tokenizer_json(),
+                                                                     pad=258, data_vocab=258)))
+    for text in ["def f(x):\n    return x  # é 你好", " leading", "\x00\x7f\t"]:
+        ids = exported.encode(text).ids
+        assert ids == [0, *(b + 1 for b in text.encode())], text
+        assert exported.decode(ids, skip_special_tokens=True) == text
+    special = (exported.token_to_id(BOS_TOKEN), exported.token_to_id("<eod>"), exported.token_to_id(PAD_TOKEN))
+    assert special == (0, 257, 258)

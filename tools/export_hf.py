@@ -1,5 +1,5 @@
-"""A checkpoint as a Hugging Face Llama model directory (config.json, model.safetensors and,
-when the dataset was tokenized with a tokenizer.json, the tokenizer), which
+"""A checkpoint as a Hugging Face Llama model directory (config.json, model.safetensors and
+the dataset's tokenizer, whether a tokenizer.json or the bytes tokenizer), which
 `transformers.LlamaForCausalLM.from_pretrained(DIR)` loads with every weight used.
 
     python -m tools.export_hf --run-dir runs/RUN [--step N] --output hf_model/ [--overwrite]
@@ -21,8 +21,9 @@ return_tensors="pt"))` continues it as sample.py does. The pad id is never 0 (tr
 would take a 0 in the inputs for padding): the first id above the data's (`<seqax_pad>`, an
 embedding row the model has but the data never used), else the end-of-document id, else none.
 generation_config.json suppresses 0 and the ids above the data's, which sample.py never
-chooses either, so greedy decoding picks the same tokens. A bytes-tokenized dataset has no
-tokenizer file to export: its ids are UTF-8 byte + 1 (257 ends a document).
+chooses either, so greedy decoding picks the same tokens. A bytes-tokenized dataset gets the
+bytes tokenizer as a tokenizer.json (tokenizer.ByteTokenizer.tokenizer_json: byte b is id b + 1,
+`<eod>` 257 ends a document), exported the same way.
 """
 
 import argparse
@@ -38,6 +39,7 @@ import zarr
 
 from config import ConfigError, DatasetError, SeqaxError, TokenizerError
 from runs import load_run_config, load_weights, run_mesh
+from tokenizer import EOD_TOKEN, ByteTokenizer
 
 BOS_TOKEN = "<seqax_bos>"
 PAD_TOKEN = "<seqax_pad>"
@@ -214,8 +216,12 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), eos, pad))
         write_json(os.path.join(tmp, "generation_config.json"),
                    generation_config(data_vocab, run.model.vocab, eos, pad))
-        if attrs.get("kind") == "tokenizers":
-            text = zarr.open_group(dataset, mode="r")[attrs["stored_as"]][:].tobytes().decode("utf-8")
+        if attrs.get("kind") in ("tokenizers", "bytes"):
+            if attrs["kind"] == "bytes":  # the same ids as a tokenizer.json, for transformers and lm-eval
+                text = ByteTokenizer(eos is not None).tokenizer_json()
+                attrs = {**attrs, "eos_token": EOD_TOKEN if eos is not None else None}
+            else:
+                text = zarr.open_group(dataset, mode="r")[attrs["stored_as"]][:].tobytes().decode("utf-8")
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 json.dump(exported_tokenizer_json(text, pad, data_vocab), f, ensure_ascii=False)
             # The post-processor adds <seqax_bos>; add_bos_token False keeps transformers from adding another.
