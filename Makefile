@@ -28,8 +28,14 @@ text_dataset.zarr: $(VENV)/.installed
 	$(VENV)/bin/python -m tools.prepare_dataset "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
 		--suffixes .py --exclude '*/site-packages/*' '*/test/*' '*/tests/*' '*/idle_test/*' --validation-documents 20 --output $@
 
-train-text: $(VENV)/.installed text_dataset.zarr
-	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_text +paths.model_name=$(TEXT_RUN)
+# A multiple-choice task from the text's validation files (which line comes next?), scored at every evaluation.
+text_choices.jsonl: $(VENV)/.installed text_dataset.zarr
+	$(VENV)/bin/python -m tools.make_choice_task --dataset text_dataset.zarr --output $@
+
+train-text: $(VENV)/.installed text_dataset.zarr text_choices.jsonl
+	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_text +paths.model_name=$(TEXT_RUN) \
+		'evaluation.tasks=[text_choices.jsonl]'
+
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
@@ -43,4 +49,4 @@ test-fast: lint
 	$(VENV)/bin/python -m pytest -q -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) synthetic_dataset.zarr text_dataset.zarr runs
+	rm -rf $(VENV) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs

@@ -142,6 +142,13 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvaluationConfig:
+    """The `evaluation:` section (evaluation.py); how often is eval_interval, the eval_loss batches eval_batches."""
+
+    tasks: tuple[str, ...] = ()  # multiple-choice task files (JSONL: context, choices, label), scored every evaluation
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     model: ModelConfig
     training: TrainingConfig
@@ -154,6 +161,7 @@ class Config:
     eval_batches: int  # validation batches 0..eval_batches-1 make eval_loss (0: no evaluation)
     distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
     logging: LoggingConfig  # optional reporting to Weights & Biases (training_io.py, docs/observability.md)
+    evaluation: EvaluationConfig = EvaluationConfig()  # multiple-choice tasks (evaluation.py); none by default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,12 +182,18 @@ def config_from_dict(cls, values, where: str = ""):
     for name in fields:
         key = f"{where}{name}"
         if name not in values and fields[name].default is not dataclasses.MISSING:
-            continue  # mesh.c, which run directories written before it existed lack
+            continue  # a key with a default (mesh.c, Muon's, evaluation): older configs lack it
         if name not in values:
             raise ConfigError(f"config is missing key {key} (set it in the YAML or with +{key}=...)")
         t, v = hints[name], values[name]
         if dataclasses.is_dataclass(t):
             out[name] = config_from_dict(t, v, f"{key}.")
+            continue
+        if typing.get_origin(t) is tuple:  # a list in YAML; a tuple here, so that a Config stays hashable
+            item = typing.get_args(t)[0]
+            if not isinstance(v, list | tuple) or not all(isinstance(x, item) for x in v):
+                raise ConfigError(f"config key {key} must be a list of {item.__name__}, got {v!r}")
+            out[name] = tuple(v)
             continue
         if t is float and isinstance(v, int) and not isinstance(v, bool):
             v = float(v)

@@ -39,7 +39,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from config import Config, DatasetConfig, DatasetError
+from config import DatasetConfig, DatasetError
 from flat_tokens import FlatTokens
 from shardlib.shardops import all_gather, axis_size
 
@@ -49,6 +49,16 @@ class Batch:
     targets: jax.Array  # u32[B L]: the tokens to predict (0 on padding)
     is_seq_start: jax.Array  # bool[B L]: True on the first token of a document (and on padding)
     loss_mask: jax.Array  # bool[B L]: False on padding, which no loss should count
+
+
+def host_batch_to_devices(targets: np.ndarray, is_seq_start: np.ndarray, loss_mask: np.ndarray,
+                          mesh: jax.sharding.Mesh) -> Batch:
+    """A batch that every process holds whole, on the mesh's devices as the loader lays its batches
+    out: rows over d, each row's positions over c in the order of zigzag_chunks."""
+    layout = zigzag_order(targets.shape[1], mesh.shape["c"])
+    sharding = NamedSharding(mesh, PartitionSpec("d", "c"))
+    return Batch(*(jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[:, layout][index])
+                   for x in (targets, is_seq_start, loss_mask)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,14 +362,3 @@ def make_loader(settings: DatasetConfig, dataset: FlatTokens, split: str, batch:
                 mesh: jax.sharding.Mesh) -> ShufflingLoader:
     return ShufflingLoader(settings, dataset, split, batch, length, mesh)
 
-
-def evaluation_batches(cfg: Config, dataset: FlatTokens, mesh: jax.sharding.Mesh) -> list[Batch]:
-    """Validation batches 0..eval_batches-1 (none when evaluation is off), read once: every
-    evaluation, on any mesh and after any restart, uses these same batches."""
-    if not cfg.eval_batches:
-        return []
-    loader = make_loader(cfg.dataset, dataset, "validation", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
-    try:
-        return [loader.batch(i) for i in range(cfg.eval_batches)]
-    finally:
-        loader.close()

@@ -43,7 +43,8 @@ import training_io
 from attention import ring_attention
 from checkpoint import Checkpointer, PreemptionWatch
 from config import Config, ModelConfig, TrainingConfig, check_attention_blocks, config_from_dict, validate_config
-from data_loader import evaluation_batches, make_loader, this_devices_chunks, whole_rows
+from data_loader import make_loader, this_devices_chunks, whole_rows
+from evaluation import Evaluation
 from flat_tokens import open_flat_tokens
 from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from memory import check_step_fits
@@ -258,11 +259,10 @@ def model_flops_per_token(h: ModelConfig, seq_len: int) -> float:
 
 
 @typechecked
-def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
-               loss_mask: bool_[b"B/d L/c"]) -> f32[b""]:
-    """This device's share of the mean next-token cross-entropy over the global batch's real
-    tokens (loss_mask is False on padding). Each document's first token is predicted from
-    input token 0, so every real token is a target."""
+def token_losses(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
+                 is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c"]:
+    """The next-token cross-entropy of every target of packed documents: -log p(target). Each
+    document's first token is predicted from input token 0, so every token of it is a target."""
     row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)  # a chunk's first input ends another chunk
     inputs = this_devices_chunks(jnp.where(row_starts, 0, jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))))
     logits = forward(h, w, inputs, is_seq_start)  # float32
@@ -271,9 +271,13 @@ def model_loss(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"], is_seq_start:
     max_logit = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
     sum_exp = psum("B/d L/c", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
     target_logit = psum("B/d L/c", take_unreduced("B/d L/c V/t, B/d L/c -> B/d L/c", logits, targets), "t")
-    token_losses = max_logit + jnp.log(sum_exp) - target_logit
+    return max_logit + jnp.log(sum_exp) - target_logit
+
+
+def model_loss(h: ModelConfig, w: Model, targets, is_seq_start, loss_mask):
+    """This device's share of the mean token_losses over the global batch's real tokens (not padding: loss_mask)."""
     global_tokens = lax.psum(jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c"))
-    return jnp.sum(jnp.where(loss_mask, token_losses, 0.0)) / jnp.maximum(global_tokens, 1.0)
+    return jnp.sum(jnp.where(loss_mask, token_losses(h, w, targets, is_seq_start), 0.0)) / jnp.maximum(global_tokens, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,15 +406,9 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
 
 
 @partial(jax.jit, static_argnames=("cfg",))
-def eval_step(weights: Model, targets, is_seq_start, loss_mask, cfg: Config) -> jax.Array:
-    """The training loss of one batch (model_loss, the same function), without gradients or update."""
-
-    @typed_shard_map
-    def loss_on_device(w: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
-                       loss_mask: bool_[b"B/d L/c"]) -> f32[b""]:
-        return lax.psum(model_loss(cfg.model, w, targets, is_seq_start, loss_mask), ("d", "c"))
-
-    return loss_on_device(weights, targets, is_seq_start, loss_mask)
+def eval_step(weights: Model, targets, is_seq_start, cfg: Config) -> jax.Array:
+    """token_losses of one batch [B, L], laid out as the batch: what eval_loss and the tasks read (evaluation.py)."""
+    return typed_shard_map(partial(token_losses, cfg.model))(weights, targets, is_seq_start)
 
 
 def fresh_state(weights: Model) -> State:
@@ -429,17 +427,11 @@ def init_state(cfg: Config, mesh) -> State:
 # The loop. Checkpoint N holds the state after N steps, so resuming from it runs step N next.
 
 
-def evaluate(cfg: Config, weights: Model, batches: list) -> float:
-    """eval_loss: the mean loss of the validation batches."""
-    losses = [eval_step(weights, b.targets, b.is_seq_start, b.loss_mask, cfg) for b in batches]
-    return float(jnp.mean(jnp.stack(losses)))
-
-
 def train(cfg: Config, resolved_yaml: str):
     dataset = open_flat_tokens(cfg.dataset.path)
     validate_config(cfg, jax.device_count(), dataset.max_token_id)
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
-    eval_batches = evaluation_batches(cfg, dataset, mesh)
+    evaluation = Evaluation(cfg, dataset, mesh)  # a task file that does not fit stops the run here, with one line
     run_dir = os.path.join(cfg.paths.root_working_dir, cfg.paths.model_name)
     tokens = (cfg.training.tokens.batch, cfg.training.tokens.len)
     # Everything opened below is closed in reverse order however the run ends (the log flushed,
@@ -461,6 +453,7 @@ def train(cfg: Config, resolved_yaml: str):
         log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model), MUON)
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
         log.communication_report(step_fn)
+        log.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
         # From here SIGTERM asks for a checkpoint after the next step; before, there was no new
         # step to save and it stopped the run at once (multihost.exit_on_sigterm).
         preemption = opened.enter_context(PreemptionWatch())
@@ -474,8 +467,8 @@ def train(cfg: Config, resolved_yaml: str):
             if preempted or training_io.is_due(cfg.checkpoint_interval, done, cfg.training.steps):
                 log.flush()  # every step a checkpoint holds is logged before it commits
                 checkpointer.save(done, state)  # returns after the device-to-host copy
-            if eval_batches and training_io.is_due(cfg.eval_interval, done, cfg.training.steps):
-                log.eval(done, evaluate(cfg, state.weights, eval_batches))
+            if evaluation and training_io.is_due(cfg.eval_interval, done, cfg.training.steps):
+                log.eval(done, partial(evaluation, partial(eval_step, state.weights, cfg=cfg)))
             if preempted:
                 break
     return state

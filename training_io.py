@@ -377,15 +377,24 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(line)
 
-    def eval(self, step: int, eval_loss: float):
-        """The line {"step": step, "eval_loss": ...}: the validation loss of the weights after
-        `step` steps (those of checkpoint `step`), in metrics.jsonl, TensorBoard and stdout."""
+    def eval(self, step: int, evaluate):
+        """Runs `evaluate() -> {"eval_loss": ..., "TASK/acc": ..., "TASK/acc_norm": ...}` (evaluation.py)
+        on the weights after `step` steps (those of checkpoint `step`) and writes the line {"step": step,
+        ..., "eval_time": seconds} to metrics.jsonl, TensorBoard and stdout, which also gives the time in
+        training steps. The step before is logged first, so that its time does not include this."""
         self.flush()
+        started = time.perf_counter()
+        metrics = {**evaluate(), "eval_time": 0.0}
+        metrics["eval_time"] = time.perf_counter() - started
         if not self.writes:
             return
-        self.write_line({"step": step, "eval_loss": eval_loss})
-        self.tensorboard.add_scalar("eval_loss", eval_loss, step)
-        self.print(f"eval {step:6d}/{self.cfg.training.steps}  eval_loss {eval_loss:.4f}")
+        self.write_line({"step": step, **metrics})
+        for key, value in metrics.items():
+            self.tensorboard.add_scalar(f"perf/{key}" if key == "eval_time" else key, value, step)
+        shown = "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_time")
+        steps = (f" = {metrics['eval_time'] / float(np.median(self.recent_step_times)):.1f} training steps"
+                 if self.recent_step_times else "")
+        self.print(f"eval {step:6d}/{self.cfg.training.steps}  {shown}  ({metrics['eval_time']:.2f} s{steps})")
 
     def close(self):
         self.flush()

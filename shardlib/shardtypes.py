@@ -285,8 +285,14 @@ def check(annotation, value, where: str, scope: dict, prefix=(), masked: bool = 
             check(a, v, f"{where}[{i}]", scope, prefix, masked)
 
 
+def _name(f) -> str:
+    """f's qualified name, or for a functools.partial its function's."""
+    return getattr(f, "__qualname__", None) or _name(f.func)
+
+
 def typechecked(f):
-    """Checks annotated arguments and the return value of `f` in a fresh dimension scope."""
+    """Checks annotated arguments and the return value of `f` (a function, or a partial of one) in
+    a fresh dimension scope."""
     signature = inspect.signature(f)
 
     @functools.wraps(f)
@@ -297,9 +303,9 @@ def typechecked(f):
             bound = signature.bind(*args, **kwargs)
             for name, value in bound.arguments.items():
                 annotation = signature.parameters[name].annotation
-                check(annotation, value, f"{f.__qualname__}: argument {name!r}", scope)
+                check(annotation, value, f"{_name(f)}: argument {name!r}", scope)
             result = f(*args, **kwargs)
-            check(signature.return_annotation, result, f"{f.__qualname__}: return value", scope)
+            check(signature.return_annotation, result, f"{_name(f)}: return value", scope)
             return result
         finally:
             _scope.reset(token)
@@ -315,7 +321,7 @@ def typed_shard_map(f, mesh: jax.sharding.Mesh | None = None):
     signature = inspect.signature(f)
     for name, p in signature.parameters.items():
         if p.annotation is inspect.Parameter.empty:
-            raise ShapeError(f"typed_shard_map: argument {name!r} of {f.__qualname__} has no annotation")
+            raise ShapeError(f"typed_shard_map: argument {name!r} of {_name(f)} has no annotation")
     in_specs = tuple(make_partition_specs(p.annotation) for p in signature.parameters.values())
     out_specs = make_partition_specs(signature.return_annotation)
     kwargs = {} if mesh is None else {"mesh": mesh}

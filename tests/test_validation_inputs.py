@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-import train
+import evaluation
 from fixtures import make_mesh, tiny_config
 from flat_tokens import open_flat_tokens
 from tokenizer import dataset_tokenizer
@@ -107,7 +107,7 @@ def test_empty_validation_files_are_one_error(tmp_path, capsys):
 
 
 def test_a_runs_evaluation_batches_hold_only_the_validation_documents(tmp_path):
-    """What eval_loss averages over (train.evaluation_batches, as a run reads them): every
+    """What eval_loss averages over (evaluation.validation_batches, as a run reads them): every
     document piece in them is text of a validation file, none of a training input."""
     inputs, held = write_files(tmp_path)
     out = str(tmp_path / "out.zarr")
@@ -116,7 +116,7 @@ def test_a_runs_evaluation_batches_hold_only_the_validation_documents(tmp_path):
                       "training.tokens.len=64")
     tokenizer = dataset_tokenizer(out)
     pieces = []
-    for batch in train.evaluation_batches(cfg, open_flat_tokens(out), make_mesh(1, 1)):
+    for batch in evaluation.validation_batches(cfg, open_flat_tokens(out), make_mesh(1, 1)):
         targets, starts, mask = (np.asarray(a) for a in (batch.targets, batch.is_seq_start, batch.loss_mask))
         for row in range(targets.shape[0]):
             cuts = [i for i in range(targets.shape[1]) if starts[row, i]] + [targets.shape[1]]

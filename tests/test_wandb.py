@@ -40,8 +40,9 @@ def run_log(run_dir, start: int, losses: dict[int, float], evals: dict[int, floa
     for step, loss in losses.items():
         log.before_step(step, None)
         log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3 * (step + 1)), jnp.float32(0.5 + step)))
-        if step + 1 in evals:
-            log.eval(step + 1, evals[step + 1])
+        if step + 1 in evals:  # as evaluation.Evaluation returns them, with a task's accuracies
+            log.eval(step + 1, lambda step=step: {"eval_loss": evals[step + 1], "lines/acc": 0.25 + 0.01 * step,
+                                                  "lines/acc_norm": 0.3})
     log.close()
 
 
@@ -116,7 +117,8 @@ def test_wandb_gets_the_metrics_lines_and_config_and_a_restart_resumes_the_same_
     assert (run_dir / wandb_log.RUN_ID_FILE).read_text().strip() == run_id
 
     lines = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    assert any("eval_loss" in line for line in lines) and any(line.get("mfu") is not None for line in lines)
+    assert any("eval_loss" in line and "lines/acc" in line for line in lines)
+    assert any(line.get("mfu") is not None for line in lines)
     starts = sorted(glob.glob(str(tmp_path / "wandb_dir" / "wandb" / f"offline-run-*-{run_id}*")), key=start_order)
     assert len(starts) == 2, starts  # one directory per process start, both of the one W&B run
     for directory, part in zip(starts, (lines[:first_lines], lines[first_lines:])):

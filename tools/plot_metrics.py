@@ -1,5 +1,6 @@
 """Plots of one or several runs' metrics.jsonl against step, as one PNG: loss (train, and eval
-where the run logged eval_loss), learning rate, grad norm and tokens/s.
+where the run logged eval_loss), learning rate, grad norm, tokens/s, and the accuracy of each
+multiple-choice task the runs evaluated (acc solid, acc_norm dashed; evaluation.py).
 
     .venv/bin/python -m tools.plot_metrics runs/a [runs/b ...] [--output plot.png]
 
@@ -35,11 +36,19 @@ def read_metrics(run_dir: str) -> dict[str, dict[int, float]]:
 
 
 def plot(run_dirs: list[str], output: str):
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), constrained_layout=True)
+    fig, grid = plt.subplots(2, 3, figsize=(18, 8), constrained_layout=True)
+    axes, accuracy = grid.flat[[0, 1, 3, 4]], grid.flat[2]
+    grid.flat[5].set_visible(False)
     for run_dir in run_dirs:
         series = read_metrics(run_dir)
         name = os.path.basename(os.path.normpath(run_dir))
-        for ax, (key, _) in zip(axes.flat, PANELS):
+        for key in sorted(k for k in series if k.endswith("/acc")):
+            steps = sorted(series[key])
+            (line,) = accuracy.plot(steps, [series[key][s] for s in steps], "o-", label=f"{name} {key}")
+            norm = series.get(f"{key}_norm", {})
+            accuracy.plot(sorted(norm), [norm[s] for s in sorted(norm)], "o--", color=line.get_color(),
+                          label=f"{name} {key}_norm")
+        for ax, (key, _) in zip(axes, PANELS):
             if key in series:
                 steps = sorted(series[key])
                 (line,) = ax.plot(steps, [series[key][s] for s in steps],
@@ -48,7 +57,7 @@ def plot(run_dirs: list[str], output: str):
                     steps = sorted(series["eval_loss"])
                     ax.plot(steps, [series["eval_loss"][s] for s in steps], "o--", color=line.get_color(),
                             label=f"{name} eval")
-    for ax, (_, title) in zip(axes.flat, PANELS):
+    for ax, (_, title) in zip([*axes, accuracy], [*PANELS, ("", "multiple-choice tasks: accuracy")]):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

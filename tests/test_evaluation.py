@@ -1,0 +1,174 @@
+"""Multiple-choice evaluation (evaluation.py): a task file's faults stop a run before its first step
+with one line; packed choices score what the independent reference model scores one document at a
+time; and on a trained run, the loop's accuracies agree with lm-evaluation-harness on the exported
+model, example by example."""
+
+import email
+import glob
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+import evaluation
+import reference
+import runs
+import train
+from config import Config, ConfigError, config_from_dict
+from fixtures import make_mesh, prepared_dataset, reference_config, run_train, tiny_config
+from reference import sequence_losses, weights_to_dicts
+from shardlib.shardtypes import make_shardings
+from tokenizer import ByteTokenizer, JsonTokenizer
+from tools import export_hf, lm_eval_task, make_choice_task
+
+
+def write_task(path, *lines: str) -> str:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return str(path)
+
+
+GOOD = json.dumps({"context": "x = 1\n", "choices": ["y = 2", "z"], "label": 0})
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", r"line 2 is not JSON"),
+    (json.dumps({"context": "a", "choices": ["b"], "label": 0}), r"line 2 must be .*two or more non-empty str"),
+    (json.dumps({"context": "a", "choices": ["b", ""], "label": 0}), r"line 2 must be"),
+    (json.dumps({"context": "a", "choices": ["b", "c"], "label": "0"}), r"line 2 must be"),
+    (json.dumps({"context": "a", "choices": ["b", "c"], "label": 2}), r"line 2: label 2 is out of range for 2 choices"),
+    (json.dumps({"context": 3, "choices": ["b", "c"], "label": 0}), r"line 2 must be"),
+])
+def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
+    path = write_task(tmp_path / "task.jsonl", GOOD, line)
+    with pytest.raises(ConfigError, match=rf"evaluation task {path}, {message}"):
+        evaluation.read_examples(path)
+
+
+def test_text_the_tokenizer_cannot_encode_is_named_by_example(tmp_path):
+    """A tokenizer.json without the characters of a task (a word-level vocabulary with [UNK]) would
+    read other text: the example is named; the bytes tokenizer encodes anything."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word_level = Tokenizer(models.WordLevel({"x": 0, "=": 1, "1": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = JsonTokenizer(word_level.to_str(), "test")
+    with pytest.raises(ConfigError, match=r"example 3: the dataset's tokenizer cannot encode"):
+        evaluation.choice_documents(tokenizer, "x = 1", " é", "example 3")
+    document, first = evaluation.choice_documents(ByteTokenizer(), "x = 1 ", "é", "example 3")
+    assert list(document - 1) == list("x = 1 é".encode()) and first == len("x = 1")  # the space goes with the choice
+
+
+def test_a_bad_task_file_stops_the_run_before_anything_is_written(tmp_path):
+    """What `python -m train` runs, in this process: a task file with a label out of range, or one
+    that is missing, stops train.train with the file and line named; the run directory is not made."""
+    dataset = prepared_dataset(tmp_path / "data.zarr", os.path.dirname(email.__file__), "--suffixes", ".py",
+                               "--validation-documents", "2")
+    bad = write_task(tmp_path / "bad.jsonl", GOOD, json.dumps({"context": "a", "choices": ["b", "c"], "label": 5}))
+    for path, message in ((bad, rf"evaluation task {bad}, line 2: label 5 is out of range"),
+                          (str(tmp_path / "none.jsonl"), "is not a file")):
+        cfg = tiny_config(f"dataset.path={dataset}", "model.vocab=264", "training.tokens.len=64",
+                          f"paths.root_working_dir={tmp_path}", f"evaluation.tasks=[{path}]")
+        with pytest.raises(ConfigError, match=message):
+            train.train(cfg, "unused: true\n")
+    assert not (tmp_path / "test").exists()
+
+
+@pytest.mark.slow  # about 6 s: the reference, jitted, document by document
+def test_packed_choices_score_what_the_reference_scores_document_by_document(tmp_path, monkeypatch):
+    """On the tiny model (float32 matmuls, so that only the order of sums differs), mesh 4x2 and
+    rows of 64 bytes: each choice's log-likelihood from the packed batches equals the sum of
+    tests/reference.py's losses over the choice's bytes, the document (0, context, choice) run
+    alone; accuracies follow from the same numbers."""
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "x", "(y)", "é"]
+    lines = [json.dumps({"context": " ".join(rng.choice(words, rng.integers(1, 6))) + rng.choice(["", " ", "\n"]),
+                         "choices": [" ".join(rng.choice(words, rng.integers(1, 4))) for _ in range(3)],
+                         "label": int(rng.integers(3))}) for _ in range(12)]
+    path = write_task(tmp_path / "words.jsonl", *lines)
+    cfg = tiny_config("model.vocab=264", "training.tokens.len=64")
+    mesh = make_mesh(4, 2)
+    weights = train.init_weights(cfg.model, jax.random.key(0))
+    monkeypatch.setattr(train, "MATMUL_DTYPE", jax.numpy.float32)
+    monkeypatch.setattr(reference, "bf16", jax.numpy.float32)  # the reference's matmuls in float32 too
+    with jax.set_mesh(mesh):
+        task = evaluation.load_task(path, ByteTokenizer(), cfg, mesh)
+        placed = jax.device_put(weights, make_shardings(train.Model, mesh))
+        ours = evaluation.log_likelihoods(partial(train.eval_step, placed, cfg=cfg), task, mesh)
+    assert len(task.batches) >= 2 and sum(len(p) for p in task.places) == 36  # several documents a row, two batches
+    w = jax.tree.map(jax.numpy.asarray, weights_to_dicts(jax.device_get(weights), cfg.model.layers))
+    ref_cfg = reference_config(cfg.model)
+    alone = jax.jit(lambda tokens, starts: sequence_losses(w, ref_cfg, tokens, starts))
+    for (context, choices, _), loglik in zip(evaluation.read_examples(path), ours):
+        for choice, got in zip(choices, loglik):
+            document, first = evaluation.choice_documents(ByteTokenizer(), context, choice, "")
+            # The document first in a row of its own, then padding (each position a document), which it cannot see.
+            tokens, starts = np.zeros(64, np.uint32), np.ones(64, bool)
+            tokens[: len(document)], starts[1 : len(document)] = document, False
+            want = -float(np.sum(np.asarray(alone(tokens, starts))[first : len(document)], dtype=np.float64))
+            assert got == pytest.approx(want, rel=1e-5), (context, choice)
+
+
+@pytest.mark.slow
+def test_the_loops_accuracy_agrees_with_lm_eval_on_the_export(tmp_path):
+    """local_test_text on the source of the standard library's email package (bytes), 60 steps, a
+    60-example task of which line comes next (tools/make_choice_task.py) scored in the loop. Then the
+    export, tools/lm_eval_task.py's YAML and `lm_eval` offline, as docs/export.md says. Every
+    example: the choice lm-eval's acc and acc_norm pick is the one evaluation.py picks (at least 99%
+    of them: float32 against bf16 matmuls may break a near-tie), and each choice's log-likelihood
+    within 2% of lm-eval's (5 units of bf16's 2^-8 rounding; measured on the full text run: 0.5%)."""
+    dataset = prepared_dataset(tmp_path / "email.zarr", os.path.dirname(email.__file__), "--suffixes", ".py",
+                               "--validation-documents", "4")
+    task = str(tmp_path / "email_lines.jsonl")
+    make_choice_task.main(["--dataset", dataset, "--output", task, "--examples", "60"])
+    args = ["--config-name=local_test_text", "+paths.model_name=run", f"paths.root_working_dir={tmp_path}",
+            f"dataset.path={dataset}", "training.steps=60", "training.warmup_steps=6", "eval_interval=60",
+            "checkpoint_interval=0", f"evaluation.tasks=[{task}]"]
+    result = run_train(args, graph=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = [line for line in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "eval_loss" in line]
+    assert [line["step"] for line in logged] == [60] and "evaluation every 60 steps" in result.stdout
+
+    # The loop's numbers, example by example: the same code, on the run's final weights.
+    run_dir = str(tmp_path / "run")
+    cfg = config_from_dict(Config, yaml.safe_load(open(os.path.join(run_dir, "config.yaml"))))
+    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
+    with jax.set_mesh(mesh):
+        ours_task = evaluation.load_task(task, ByteTokenizer(), cfg, mesh)
+        _, weights = runs.load_weights(run_dir, runs.load_run_config(run_dir), mesh)
+        ours = evaluation.log_likelihoods(partial(train.eval_step, weights, cfg=cfg), ours_task, mesh)
+    labels = np.array(ours_task.labels)
+    picks = np.array([np.argmax(ll) for ll in ours])
+    picks_norm = np.array([np.argmax(ll / np.array(c)) for ll, c in zip(ours, ours_task.choice_chars)])
+    assert logged[0]["email_lines/acc"] == pytest.approx(np.mean(picks == labels))
+    assert logged[0]["email_lines/acc_norm"] == pytest.approx(np.mean(picks_norm == labels))
+
+    export_hf.main(["--run-dir", run_dir, "--output", str(tmp_path / "hf")])
+    lm_eval_task.main([task, "--output", str(tmp_path / "lm_tasks")])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    command = [os.path.join(os.path.dirname(sys.executable), "lm_eval"), "--model", "hf", "--model_args",
+               f"pretrained={tmp_path / 'hf'},dtype=float32", "--include_path", str(tmp_path / "lm_tasks"),
+               "--tasks", "email_lines", "--device", "cpu", "--batch_size", "16", "--output_path",
+               str(tmp_path / "lm_out"), "--log_samples"]
+    done = subprocess.run(command, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (samples,) = glob.glob(str(tmp_path / "lm_out" / "*" / "samples_email_lines_*.jsonl"))
+    samples = sorted(map(json.loads, open(samples)), key=lambda s: s["doc_id"])
+    theirs = [np.array([float(r[0]) for r in s["filtered_resps"]]) for s in samples]
+    assert len(theirs) == len(ours) == 60
+    for mine, lm, name in ((picks, [np.argmax(ll) for ll in theirs], "acc"),
+                           (picks_norm, [np.argmax(ll / np.array(c)) for ll, c in zip(theirs, ours_task.choice_chars)],
+                            "acc_norm")):
+        agree = np.mean(mine == np.array(lm))
+        print(f"{name}: the loop and lm-eval pick the same choice on {agree:.1%} of {len(mine)} examples")
+        assert agree >= 0.99, (name, agree)
+        lm_metric = np.mean([s[name] for s in samples])
+        assert abs(lm_metric - np.mean(mine == labels)) <= 1 - agree + 1e-9  # the aggregate follows
+    relative = np.concatenate([np.abs(a - b) / np.abs(b) for a, b in zip(ours, theirs)])
+    print(f"log-likelihoods: largest relative difference {relative.max():.2e}, median {np.median(relative):.2e}")
+    assert relative.max() <= 0.02, relative.max()
