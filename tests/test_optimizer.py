@@ -2,6 +2,8 @@
 whole runs of Muon and AdamW (on every mesh shape, so through Muon's all-to-all), the schedule and
 clipping by the properties that define them."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,7 +16,7 @@ from data_loader import make_loader
 from fixtures import make_mesh, tiny_config
 from flat_tokens import open_flat_tokens
 from shardlib.shardops import global_norm
-from shardlib.shardtypes import make_shardings, typed_shard_map, u32
+from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
 # bfloat16 keeps 8 significant bits: rounding to it moves a value by up to U relative.
 U = 2.0**-8
@@ -252,17 +254,22 @@ def test_the_numpy_statement_notices_a_wrong_muon():
 # Clipping: one scale from the global norm, for every weight and both optimizers.
 
 
+@functools.cache
+def first_step(h: config.TrainingConfig):
+    """optimizer_step's first step on a 1x1 mesh, compiled once per config."""
+    @jax.jit
+    @typed_shard_map
+    def step(state: train.State, grads: train.Model, grad_norm: f32[b""]) -> train.State:
+        return train.optimizer_step(h, jnp.uint32(0), state, grads, grad_norm)[0]
+
+    return step
+
+
 def first_step_gradient(h, grads: train.Model, grad_norm: float) -> dict:
     """The gradient the first step used, read back from the optimizers' first moments, which start
     at zero: AdamW's mu = (1 - b1) g, Muon's momentum = (1 - momentum) g."""
-    mesh = make_mesh(1, 1)
-    with jax.set_mesh(mesh):
-        @jax.jit
-        @typed_shard_map
-        def step(state: train.State, grads: train.Model) -> train.State:
-            return train.optimizer_step(h, jnp.uint32(0), state, grads, jnp.float32(grad_norm))[0]
-
-        state = step(train.fresh_state(jax.tree.map(jnp.zeros_like, grads)), grads)
+    with jax.set_mesh(make_mesh(1, 1)):
+        state = first_step(h)(train.fresh_state(jax.tree.map(jnp.zeros_like, grads)), grads, jnp.float32(grad_norm))
     adam = {k: x / (1 - h.adam_b1) for k, x in named(state.adam_mu).items()}
     muon = {k: x / (1 - h.muon_momentum) for k, x in named(state.muon_momentum).items()}
     return {k: np.asarray(x, np.float64) for k, x in {**adam, **muon}.items()}
