@@ -168,10 +168,10 @@ class Evaluation:
 
     def plan(self, eval_interval: int, steps: int) -> str:
         """One line for the start-up report: what an evaluation runs and what it should cost."""
-        n, every = self.batch_count(), f"every {eval_interval} steps and" if eval_interval else ""
+        n, every = self.batch_count(), f"every {eval_interval} steps and " if eval_interval else ""
         parts = [f"eval_loss {len(self.batches)}"] + [f"{t.name} {len(t.batches)} ({len(t.labels)} examples)"
                                                         for t in self.tasks]
-        return (f"evaluation {every} after step {steps}: {n} batches of the step's shape ({', '.join(parts)}), "
+        return (f"evaluation {every}after step {steps}: {n} batches of the step's shape ({', '.join(parts)}), "
                 f"forward only: about {n / 3:.1f} training steps' time each")
 
     def __call__(self, token_losses) -> dict[str, float]:

@@ -38,8 +38,9 @@ THREAD_EXIT_SECONDS = 5  # how long a test's threads may take to finish after it
 # Threads that a library starts on first use and keeps for the life of the process: zarr's event
 # loop and the workers of that loop's default executor, tqdm's monitor of progress bars.
 LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
-# Environment variables that pytest or a library sets for itself (torch, on import).
-OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+# Environment variables that pytest or a library sets for itself on import: torch; scikit-learn
+# (lm-eval's, which `datasets` imports where it is installed).
+OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
 # Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
 PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
 

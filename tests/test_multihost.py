@@ -3,8 +3,10 @@
 stops the launch. That process i assembles exactly its rows of the global batch is
 tests/test_data_loader.py::test_two_processes_assemble_the_same_batch."""
 
+import email
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -16,21 +18,30 @@ import time
 import pytest
 
 from config import ConfigError, DistributedConfig
-from fixtures import ROOT, child_env, run_train, synthetic_dataset, tiny_overrides, train_args
+from fixtures import ROOT, child_env, prepared_dataset, run_train, tiny_overrides, train_args
 from multihost import resolve
 
 # TINY with 2 kv heads (so that t=2 splits them) and a warmup longer than every run here, so the
 # learning rate of a step does not depend on training.steps and runs of 3 and 4 steps agree.
 OVERRIDES = ["model.n_kv=2", "training.warmup_steps=10", "eval_batches=0", "checkpoint_interval=3",
-             "checkpoints.keep=0"]
+             "checkpoints.keep=0", "model.vocab=264"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(dataset, the folder of the compilation cache that every run here shares)."""
+    """(a bytes dataset, the folder of the compilation cache that every run here shares, a
+    multiple-choice task of examples that fit the tiny model's rows of 16 bytes)."""
     root = tmp_path_factory.mktemp("multihost")
-    dataset = synthetic_dataset(root / "data.zarr", "--train-tokens", "300000", "--validation-tokens", "20000")
-    return dataset, root / "jax_cache"
+    dataset = prepared_dataset(root / "data.zarr", os.path.dirname(email.__file__), "--suffixes", ".py",
+                               "--validation-documents", "3")
+    rng = random.Random(0)
+    words = ["a", "b", "if", "x", "=", "1", "(", ")", ":"]
+    with open(root / "short.jsonl", "w") as f:
+        for _ in range(20):
+            choices = ["".join(rng.choices(words, k=rng.randint(1, 3))) for _ in range(3)]
+            f.write(json.dumps({"context": " ".join(rng.choices(words, k=3)), "choices": choices,
+                                "label": rng.randrange(3)}) + "\n")
+    return dataset, root / "jax_cache", str(root / "short.jsonl")
 
 
 def multihost_args(root, dataset, name, steps, *changes) -> list[str]:
@@ -62,18 +73,27 @@ def close(a: float, b: float, rtol: float) -> bool:
 
 @pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_move_between_process_counts(setup, tmp_path):
-    dataset, cache = setup
+    dataset, cache, task = setup
+    # Evaluation after step 3 too: eval_loss and the task, each process feeding its devices their
+    # rows and reading the per-token losses back whole (evaluation.host). The weights it reads
+    # differ by the float32 rounding of cross-process sums, which Muon turns into ~1e-5: 1e-4 as
+    # for the losses after a checkpoint moved.
+    evaluated = ["eval_batches=2", "eval_interval=3", f"evaluation.tasks=[{task}]"]
     # 1 process x 8 devices, mesh 4x2: the reference losses of steps 0-3, checkpoints 3 and 4.
-    one_process(cache, 8, multihost_args(tmp_path, dataset, "one", 4))
+    one_process(cache, 8, multihost_args(tmp_path, dataset, "one", 4, *evaluated))
     expected = losses(tmp_path / "one")
     assert sorted(expected) == [0, 1, 2, 3]
 
-    # 2 processes x 4 devices, the same mesh: the same losses; checkpoint 3 written by both.
-    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "two", 3))
+    # 2 processes x 4 devices, the same mesh: the same losses and evaluation; checkpoint 3 written by both.
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "two", 3, *evaluated))
     output = launched.communicate(timeout=300)[0]
     assert launched.returncode == 0, output[-3000:]
     two = losses(tmp_path / "two")
     assert sorted(two) == [0, 1, 2] and all(close(two[s], expected[s], 1e-6) for s in two), (two, expected)
+    one_eval, two_eval = (next(line for line in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
+                               if line.get("step") == 3 and "eval_loss" in line) for name in ("one", "two"))
+    assert close(two_eval["eval_loss"], one_eval["eval_loss"], 1e-4), (one_eval, two_eval)
+    assert two_eval["short/acc"] == one_eval["short/acc"] and two_eval["short/acc_norm"] == one_eval["short/acc_norm"]
     assert "[0] step      2/3" in output and "[1] step" not in output  # only process 0 logs steps
     # embed is V/t M/d: ...
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c")) == ["0"]
@@ -96,7 +116,7 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
 
 @pytest.mark.slow
 def test_a_killed_process_stops_the_launch(setup, tmp_path):
-    dataset, cache = setup
+    dataset, cache, _ = setup
     launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "killed", 1000, "checkpoint_interval=0"),
                       start_new_session=True)
     lines, stepped = [], threading.Event()
@@ -163,3 +183,4 @@ def test_settings_come_from_the_config_the_environment_or_the_cluster(monkeypatc
     assert (detected["coordinator_address"], detected["num_processes"], detected["process_id"]) == (None, 2, None)
     with pytest.raises(ConfigError, match=r"process id 5 is not in 0..1 for 2 processes"):
         resolve(settings(process_id=5))
+

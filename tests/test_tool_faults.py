@@ -75,10 +75,13 @@ def test_export_overwrite_replaces_the_old_output_whole(run_dir, tmp_path, kind)
     if kind == "directory":
         output.mkdir()
         (output / "tokenizer.json").write_text("{}")  # the previous export's, for another dataset
+        (output / "stale.bin").write_text("")  # a file this export does not write
     else:
         output.write_text("mine")
     export_hf.main(["--run-dir", run_dir, "--output", str(output), "--overwrite"])
-    assert sorted(os.listdir(output)) == ["config.json", "generation_config.json", "model.safetensors"]
+    exported = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(output)) == exported  # the bytes tokenizer's files, not the old ones
+    assert (output / "tokenizer.json").read_text() != "{}"
     assert os.listdir(tmp_path) == ["hf"]  # no temporary or old directory left
 
 
