@@ -40,13 +40,17 @@ train-text: $(VENV)/.installed text_dataset.zarr text_choices.jsonl
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 
+# Tests run in TEST_WORKERS processes (pytest-xdist): on 2 cores, 2 workers took the suite from
+# 848 s to 701-743 s (docs/performance.md, "Test times"); TEST_WORKERS=0 runs them in this one.
+TEST_WORKERS ?= 2
+
 # Everything: lint and every test (CI runs this).
 test: lint
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # The edit-test loop: lint and the tests not marked slow, in under two minutes on two cores.
 test-fast: lint
-	$(VENV)/bin/python -m pytest -q -m "not slow" tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs
