@@ -40,8 +40,8 @@ train-text: $(VENV)/.installed text_dataset.zarr text_choices.jsonl
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 
-# Tests run in TEST_WORKERS processes (pytest-xdist): on 2 cores, 2 workers took the suite from
-# 848 s to 701-743 s (docs/performance.md, "Test times"); TEST_WORKERS=0 runs them in this one.
+# Tests run in TEST_WORKERS processes (pytest-xdist; docs/performance.md, "Test times", has what two
+# gain on 2 cores); TEST_WORKERS=0 runs them all in pytest's own process.
 TEST_WORKERS ?= 2
 
 # Everything: lint and every test (CI runs this).

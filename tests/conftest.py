@@ -1,12 +1,12 @@
 """Tests run on 8 simulated CPU devices; this must happen before jax is imported.
 
-The whole suite runs in one process, so every test must leave that process as it found it: no
-mesh still set, no profiler trace still running, no thread it started still alive, no function
-of ours or of JAX replaced, no signal handler, environment variable, working directory or JAX
-option changed. The check after each test (and after each module, for module fixtures) turns a
-leak into an error of the test that leaked, instead of a crash of a later one, and puts back
-what it can. Each module's compiled programs are dropped after it, so that the process does not
-accumulate them (a profile, for one, holds every live program)."""
+Each pytest process (one, or each of `make test`'s pytest-xdist workers) runs many tests, so every
+test must leave that process as it found it: no mesh still set, no profiler trace still running,
+no thread it started still alive, no function of ours or of JAX replaced, no signal handler,
+environment variable, working directory or JAX option changed. The check after each test (and
+after each module, for module fixtures) turns a leak into an error of the test that leaked,
+instead of a crash of a later one, and puts back what it can. Each module's compiled programs are
+dropped after it, so that the process does not accumulate them (a profile, for one, holds every live program)."""
 
 import atexit
 import gc
@@ -19,7 +19,7 @@ import threading
 import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-# One persistent compilation cache for the session (and the child processes it starts), in a new
+# One persistent compilation cache for this pytest process (and the child processes it starts), in a new
 # folder removed at the end: about 60 child runs train a few tiny configs and would each
 # compile the same step, init and eval programs again (about 15 s a run on 2 cores). A cached
 # program is the same program: losses, reports and files do not change.

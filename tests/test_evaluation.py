@@ -117,8 +117,8 @@ def test_packed_choices_score_what_the_reference_scores_document_by_document(tmp
 @pytest.mark.slow
 def test_the_loops_accuracy_agrees_with_lm_eval_on_the_export(tmp_path):
     """local_test_text on the source of the standard library's email package (bytes), 30 steps of 8
-    rows, a 60-example task of which line comes next (tools/make_choice_task.py) scored in the loop. Then the
-    export, tools/lm_eval_task.py's YAML and `lm_eval` offline, as docs/export.md says. Every
+    rows, a 60-example task of which line comes next (tools/make_choice_task.py) scored in the loop.
+    Then the export, tools/lm_eval_task.py's YAML and `lm_eval` offline, as docs/export.md says. Every
     example: the choice lm-eval's acc and acc_norm pick is the one evaluation.py picks (at least 99%
     of them: float32 against bf16 matmuls may break a near-tie), and each choice's log-likelihood
     within 2% of lm-eval's (5 units of bf16's 2^-8 rounding; measured on the full text run: 0.5%)."""
@@ -128,8 +128,7 @@ def test_the_loops_accuracy_agrees_with_lm_eval_on_the_export(tmp_path):
     make_choice_task.main(["--dataset", dataset, "--output", task, "--examples", "60"])
     args = ["--config-name=local_test_text", "+paths.model_name=run", f"paths.root_working_dir={tmp_path}",
             f"dataset.path={dataset}", "training.steps=30", "training.warmup_steps=6", "training.tokens.batch=8",
-            "eval_interval=30",
-            "checkpoint_interval=0", f"evaluation.tasks=[{task}]"]
+            "eval_interval=30", "checkpoint_interval=0", f"evaluation.tasks=[{task}]"]
     result = run_train(args, graph=False)
     assert result.returncode == 0, result.stderr[-3000:]
     logged = [line for line in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "eval_loss" in line]
