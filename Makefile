@@ -8,9 +8,11 @@ TEXT_RUN ?= local_text
 
 .PHONY: train train-text test test-fast lint clean
 
-$(VENV)/.installed: requirements.txt
+# The pinned packages, then this project (the `seqax` package, train.py and sample.py) in editable mode.
+$(VENV)/.installed: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
+	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt

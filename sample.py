@@ -33,14 +33,23 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import memory
 import train
-from attention import causal_document_mask, dense_attention
-from config import ConfigError, ModelConfig, SeqaxError, TokenizerError
-from flat_tokens import open_flat_tokens
-from runs import load_run_config, load_weights, run_mesh
-from shardlib.shardtypes import Array, bf16, f32, make_shardings, pytree_dataclass, typechecked, typed_shard_map, u32
-from tokenizer import dataset_tokenizer
+from seqax import memory
+from seqax.attention import causal_document_mask, dense_attention
+from seqax.config import ConfigError, ModelConfig, SeqaxError, TokenizerError
+from seqax.flat_tokens import open_flat_tokens
+from seqax.runs import load_run_config, load_weights, run_mesh
+from seqax.shardlib.shardtypes import (
+    Array,
+    bf16,
+    f32,
+    make_shardings,
+    pytree_dataclass,
+    typechecked,
+    typed_shard_map,
+    u32,
+)
+from seqax.tokenizer import dataset_tokenizer
 
 
 @pytree_dataclass

@@ -38,21 +38,21 @@ import jax.numpy as jnp
 from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
-import run_lock
-import training_io
-from attention import ring_attention
-from checkpoint import Checkpointer, PreemptionWatch
-from config import Config, ModelConfig, TrainingConfig, check_attention_blocks, config_from_dict, validate_config
-from data_loader import make_loader, this_devices_chunks, whole_rows
-from evaluation import Evaluation
-from flat_tokens import open_flat_tokens
-from jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
-from memory import check_step_fits
-from multihost import initialize_distributed, make_mesh, run_program
-from shardlib.shardops import (all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm,
+from seqax import run_lock
+from seqax import training_io
+from seqax.attention import ring_attention
+from seqax.checkpoint import Checkpointer, PreemptionWatch
+from seqax.config import Config, ModelConfig, TrainingConfig, check_attention_blocks, config_from_dict, validate_config
+from seqax.data_loader import make_loader, this_devices_chunks, whole_rows
+from seqax.evaluation import Evaluation
+from seqax.flat_tokens import open_flat_tokens
+from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
+from seqax.memory import check_step_fits
+from seqax.multihost import initialize_distributed, make_mesh, run_program
+from seqax.shardlib.shardops import (all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm,
                                index_unreduced, psum, psum_scatter, take_unreduced)
-from shardlib.shardtypes import Array, Masked, bool_, f32, make_shardings, pytree_dataclass, typechecked
-from shardlib.shardtypes import typed_shard_map, u32
+from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_shardings, pytree_dataclass, typechecked
+from seqax.shardlib.shardtypes import typed_shard_map, u32
 
 # ---------------------------------------------------------------------------------------------
 # Operands of every matmul are cast to this type; products accumulate in float32. bfloat16 is the

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import attention
 import train
+from seqax import attention
 
 
 def attention_inputs(B: int, L: int, Q: int, K: int, D: int):

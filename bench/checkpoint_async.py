@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import config
 import train
 from bench.measure_step import random_batch
-from checkpoint import Checkpointer
-from config import CheckpointConfig
+from seqax import config
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointConfig
 
 
 def step_times(cfg: config.Config, mesh, steps: int, directory: str | None,

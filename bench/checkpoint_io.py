@@ -26,8 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import train
-from checkpoint import Checkpointer
-from config import CheckpointConfig
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointConfig
 
 THREADS = 8
 

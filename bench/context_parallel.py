@@ -20,12 +20,10 @@ import argparse
 import jax
 import numpy as np
 
-import config
-import memory
 import train
-import training_io
 from bench.measure_step import time_steps
 from bench.memory import accelerator_estimate
+from seqax import config, memory, training_io
 
 MiB = 2**20
 MODEL = ["model.attention_block=256", "training.tokens.batch=1", "model.n_kv=8", "model.n_q_per_kv=1"]

@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 import train  # noqa: E402
-from config import DatasetConfig  # noqa: E402
-from data_loader import make_loader  # noqa: E402
-from flat_tokens import open_flat_tokens  # noqa: E402
+from seqax.config import DatasetConfig  # noqa: E402
+from seqax.data_loader import make_loader  # noqa: E402
+from seqax.flat_tokens import open_flat_tokens  # noqa: E402
 from tools import prepare_dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,11 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import config
-import memory
 import train
-import training_io
 from bench.throughput import Row
+from seqax import config, memory, training_io
 
 
 def progress(text: str):
@@ -31,21 +29,21 @@ def progress(text: str):
     print(text, flush=True)
 
 
-def random_batch(cfg: config.Config, mesh):
-    """Random tokens, one document per row, sharded like the loader's batches. One document:
-    blockwise attention then computes every block pair on or below the diagonal, exactly the
-    work the MFU formula counts (rows of short documents let it skip pairs: faster, but not
-    the long-document case that a throughput figure should hold)."""
+def random_tokens(cfg: config.Config) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(targets, is_seq_start, loss_mask) [B, L] on the host: random tokens, one document per row. One
+    document: blockwise attention then computes every block pair on or below the diagonal, exactly the
+    work the MFU formula counts (rows of short documents let it skip pairs: faster, but not the
+    long-document case that a throughput figure should hold)."""
     B, L = cfg.training.tokens.batch, cfg.training.tokens.len
-    rng = np.random.default_rng(0)
-    # Rows over d, positions over c (position 0 comes first in the zigzag layout too); a mesh
-    # without c is an older commit's, which bench/compare_commits.py runs.
-    sharding = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec("d", "c" if "c" in mesh.axis_names else None))
-    targets = jax.device_put(rng.integers(1, cfg.model.vocab, (B, L)).astype(np.uint32), sharding)
-    starts = jax.device_put(np.arange(L)[None, :].repeat(B, 0) == 0, sharding)
-    mask = jax.device_put(np.ones((B, L), bool), sharding)
-    return targets, starts, mask
+    targets = np.random.default_rng(0).integers(1, cfg.model.vocab, (B, L)).astype(np.uint32)
+    return targets, np.arange(L)[None, :].repeat(B, 0) == 0, np.ones((B, L), bool)
+
+
+def random_batch(cfg: config.Config, mesh):
+    """random_tokens on the mesh's devices, sharded like the loader's batches: rows over d, positions
+    over c (one document a row starts at position 0, which the zigzag layout puts first too)."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c"))
+    return tuple(jax.device_put(x, sharding) for x in random_tokens(cfg))
 
 
 def time_steps(cfg: config.Config, steps: int, warmup: int):

@@ -26,12 +26,9 @@ from functools import partial
 
 import jax
 
-import communication
-import config
-import memory
 import train
-import training_io
-from shardlib.shardtypes import abstract_arrays
+from seqax import communication, config, memory, training_io
+from seqax.shardlib.shardtypes import abstract_arrays
 
 GiB = 2**30
 

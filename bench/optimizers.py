@@ -24,6 +24,8 @@ import sys
 
 import numpy as np
 
+from seqax.config import load_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Per config: (AdamW's peak rates, Muon's), each three values around the best measured
@@ -78,8 +80,6 @@ def steps_to_reach(evals: list[tuple[int, float]], target: float) -> float | Non
 
 
 def steps_of(config: str) -> int:
-    sys.path.insert(0, ROOT)
-    from config import load_config
     return load_config(config, ["+paths.model_name=x"]).training.steps
 
 

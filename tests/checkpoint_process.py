@@ -13,7 +13,6 @@ import sys
 
 if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -21,8 +20,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from checkpoint import Checkpointer
-from config import CheckpointConfig  # noqa: E402
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointConfig  # noqa: E402
 
 
 def sample_values() -> dict:

@@ -29,7 +29,6 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

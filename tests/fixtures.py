@@ -8,11 +8,11 @@ import sys
 import jax
 import numpy as np
 
-import config
 import train
-from config import load_config
-from data_loader import zigzag_order
-from shardlib.shardtypes import abstract_arrays, bool_, f32, typed_shard_map, u32
+from seqax import config
+from seqax.config import load_config
+from seqax.data_loader import zigzag_order
+from seqax.shardlib.shardtypes import abstract_arrays, bool_, f32, typed_shard_map, u32
 from tools import prepare_dataset
 from tools.launch_local import free_port
 from tools.write_synthetic_dataset import main as write_synthetic_dataset

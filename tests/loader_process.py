@@ -11,15 +11,14 @@ import os
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from config import DatasetConfig
-from data_loader import make_loader  # noqa: E402
-from flat_tokens import open_flat_tokens  # noqa: E402
+from seqax.config import DatasetConfig
+from seqax.data_loader import make_loader  # noqa: E402
+from seqax.flat_tokens import open_flat_tokens  # noqa: E402
 
 
 def main():

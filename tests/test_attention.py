@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import attention
 import train
-from config import ConfigError
 from fixtures import make_mesh, tiny_config
-from shardlib.shardtypes import f32, typed_shard_map, u32
+from seqax import attention
+from seqax.config import ConfigError
+from seqax.shardlib.shardtypes import f32, typed_shard_map, u32
 
 B, L, Q, K, D = 4, 64, 2, 4, 16
 

@@ -14,10 +14,9 @@ import time
 import jax
 import pytest
 
-import config
 import train
-import training_io
 from bench import compare_commits, measure_step, memory, throughput
+from seqax import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = ["gpu1_125m", "gpu1_350m", "gpu1_1b", "gpu1_2b", "gpu8_125m", "gpu8_350m", "gpu8_1b", "gpu8_2b", "tpu8_1b"]
@@ -198,14 +197,15 @@ def test_compare_commits_times_a_commit_against_this_checkout():
     assert re.search(r"XLA temporary memory per device: base [\d.]+ MiB, this checkout [\d.]+ MiB", result.stdout)
 
 
-def test_compare_commits_imports_the_base_with_its_own_modules(tmp_path):
-    """The base's train.py runs with the base's training_io, config, ...; this checkout's modules
-    are the ones imported by name afterwards."""
-    base = compare_commits.load_train_at("HEAD", str(tmp_path))
-    assert base is not train and base.training_io is not training_io and base.Config is not config.Config
-    assert base.__file__.startswith(str(tmp_path)) and base.training_io.__file__.startswith(str(tmp_path))
-    assert (sys.modules["train"] is train and sys.modules["training_io"] is training_io
-            and sys.modules["config"] is config)
+def test_compare_commits_runs_the_base_in_its_own_tree(tmp_path):
+    """The base side imports the base commit's train.py and package, from the tree unpacked for it,
+    not this checkout's (which the editable install would otherwise give every process)."""
+    compare_commits.unpack("HEAD", str(tmp_path / "base"))
+    side = compare_commits.Side("base", str(tmp_path / "base"), {}, str(tmp_path / "no-batch.npz"))
+    side.process.kill()
+    side.process.wait()
+    assert side.files["train"] == str(tmp_path / "base" / "train.py")
+    assert side.files["make_mesh"].startswith(str(tmp_path / "base" / "seqax") + os.sep), side.files
 
 
 @pytest.mark.slow

@@ -21,10 +21,7 @@ import zarr
 from checkpoint_process import is_spec_pair, put, sample_values
 from jax.sharding import NamedSharding
 
-import sharded_zarr
 import train
-from checkpoint import Checkpointer
-from config import CheckpointConfig, CheckpointError, ConfigError
 from fixtures import (
     make_mesh,
     put_batch,
@@ -37,7 +34,10 @@ from fixtures import (
     tiny_overrides,
     train_args,
 )
-from shardlib.shardtypes import make_shardings
+from seqax import sharded_zarr
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointConfig, CheckpointError, ConfigError
+from seqax.shardlib.shardtypes import make_shardings
 
 
 def checkpoint_config(**changes) -> CheckpointConfig:

@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from checkpoint import Checkpointer
-from config import CheckpointConfig, CheckpointError
 from fixtures import make_mesh
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointConfig, CheckpointError
 
 SPECS = {"w": P("d", "t"), "b": P(None, "t"), "n": P()}
 

@@ -7,11 +7,10 @@ import math
 import jax
 import pytest
 
-import communication
 import train
-import training_io
-from config import load_config
 from fixtures import abstract_state, make_mesh
+from seqax import communication, training_io
+from seqax.config import load_config
 
 
 def test_bytes_of_a_ring_collective():

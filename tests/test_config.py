@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from config import ConfigError, config_from_dict
+from seqax.config import ConfigError, config_from_dict
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-import attention
-import memory
 import sample
 import train
-from checkpoint import Checkpointer
-from config import ConfigError, validate_config
-from data_loader import make_loader, zigzag_chunks, zigzag_order
 from fixtures import abstract_state, make_mesh, tiny_config
-from flat_tokens import open_flat_tokens
-from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
+from seqax import attention, memory
+from seqax.checkpoint import Checkpointer
+from seqax.config import ConfigError, validate_config
+from seqax.data_loader import make_loader, zigzag_chunks, zigzag_order
+from seqax.flat_tokens import open_flat_tokens
+from seqax.shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
 B, L, Q, K, D = 2, 64, 2, 2, 8
 

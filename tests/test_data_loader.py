@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import zarr
 
-from config import DatasetConfig, DatasetError
-from data_loader import RowOrder, derive_key, feistel_permute, make_loader
 from fixtures import run_processes
-from flat_tokens import open_flat_tokens, write_flat_tokens
+from seqax.config import DatasetConfig, DatasetError
+from seqax.data_loader import RowOrder, derive_key, feistel_permute, make_loader
+from seqax.flat_tokens import open_flat_tokens, write_flat_tokens
 
 B, L = 8, 16
 GOLDEN = 0x9E3779B97F4A7C15

@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-import runs
-from data_loader import make_loader
 from fixtures import make_mesh, reference_config, run_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
-from flat_tokens import open_flat_tokens
 from reference import loss as reference_loss
 from reference import weights_to_dicts
+from seqax import runs
+from seqax.data_loader import make_loader
+from seqax.flat_tokens import open_flat_tokens
 
 pytestmark = pytest.mark.slow  # two training runs
 

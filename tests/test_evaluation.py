@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 import yaml
 
-import evaluation
 import reference
-import runs
 import train
-from config import Config, ConfigError, config_from_dict
 from fixtures import make_mesh, prepared_dataset, reference_config, run_train, tiny_config
 from reference import sequence_losses, weights_to_dicts
-from shardlib.shardtypes import make_shardings
-from tokenizer import ByteTokenizer, JsonTokenizer
+from seqax import evaluation, runs
+from seqax.config import Config, ConfigError, config_from_dict
+from seqax.shardlib.shardtypes import make_shardings
+from seqax.tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf, lm_eval_task, make_choice_task
 
 

@@ -10,10 +10,10 @@ import pytest
 from omegaconf import OmegaConf
 
 import train
-from checkpoint import Checkpointer
 from fixtures import forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
-from shardlib.shardtypes import make_shardings
-from tokenizer import dataset_tokenizer
+from seqax.checkpoint import Checkpointer
+from seqax.shardlib.shardtypes import make_shardings
+from seqax.tokenizer import dataset_tokenizer
 from tools import export_hf
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 20

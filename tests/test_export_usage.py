@@ -11,12 +11,12 @@ import jax
 import numpy as np
 import pytest
 
-import runs
 import sample
 import train
-from config import ConfigError
 from fixtures import forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
-from tokenizer import dataset_tokenizer
+from seqax import runs
+from seqax.config import ConfigError
+from seqax.tokenizer import dataset_tokenizer
 from tools import export_hf
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog.", "pack my box with five dozen liquor jugs.",

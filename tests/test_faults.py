@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 import zarr
 
-import flat_tokens
-import memory
 import train
-import training_io
-from config import ConfigError, DatasetConfig, DatasetError, load_config, validate_config
-from data_loader import make_loader
 from fixtures import abstract_state, make_mesh, snapshot, tiny_config
-from flat_tokens import open_flat_tokens, write_flat_tokens
+from seqax import flat_tokens, memory, training_io
+from seqax.config import ConfigError, DatasetConfig, DatasetError, load_config, validate_config
+from seqax.data_loader import make_loader
+from seqax.flat_tokens import open_flat_tokens, write_flat_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 256

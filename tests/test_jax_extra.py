@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import memory
 import train
 from fixtures import abstract_state, make_mesh, tiny_config
-from jax_extra import SAVED_NAME, explicit_activation_checkpointing, fold_in_str, save_for_backward
+from seqax import memory
+from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing, fold_in_str, save_for_backward
 
 
 def small_function(x):

@@ -11,7 +11,6 @@ from jax import lax
 
 import reference
 import train
-import training_io
 from fixtures import (
     abstract_state,
     make_mesh,
@@ -23,7 +22,8 @@ from fixtures import (
 )
 from reference import loss as reference_loss
 from reference import weights_to_dicts
-from shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from seqax import training_io
+from seqax.shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]
 # The tiny model has 2 layers of 8 kv heads, so that every mesh of 8 devices splits its heads.

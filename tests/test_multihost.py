@@ -17,9 +17,9 @@ import time
 
 import pytest
 
-from config import ConfigError, DistributedConfig
 from fixtures import ROOT, child_env, prepared_dataset, run_train, tiny_overrides, train_args
-from multihost import resolve
+from seqax.config import ConfigError, DistributedConfig
+from seqax.multihost import resolve
 
 # TINY with 2 kv heads (so that t=2 splits them) and a warmup longer than every run here, so the
 # learning rate of a step does not depend on training.steps and runs of 3 and 4 steps agree.

@@ -10,13 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import config
 import train
-from data_loader import make_loader
 from fixtures import make_mesh, tiny_config
-from flat_tokens import open_flat_tokens
-from shardlib.shardops import global_norm
-from shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
+from seqax import config
+from seqax.data_loader import make_loader
+from seqax.flat_tokens import open_flat_tokens
+from seqax.shardlib.shardops import global_norm
+from seqax.shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
 # bfloat16 keeps 8 significant bits: rounding to it moves a value by up to U relative.
 U = 2.0**-8

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import train
-from config import ConfigError, DatasetError, load_config
-from flat_tokens import FlatTokensWriter, open_flat_tokens
-from tokenizer import dataset_tokenizer
+from seqax.config import ConfigError, DatasetError, load_config
+from seqax.flat_tokens import FlatTokensWriter, open_flat_tokens
+from seqax.tokenizer import dataset_tokenizer
 from tools import prepare_dataset
 
 PIECES = ["héllo wörld", "naïve café", "日本語のテキスト", "def f(x):\n    return x * 2", "plain ascii"]

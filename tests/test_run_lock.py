@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-import run_lock
-from config import ConfigError
 from fixtures import child_env, snapshot, synthetic_dataset
+from seqax import run_lock
+from seqax.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1",

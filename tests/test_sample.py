@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-import config
-import runs
 import sample
 import train
 from fixtures import (
@@ -27,8 +25,9 @@ from fixtures import (
     tiny_overrides,
     train_args,
 )
-from flat_tokens import open_flat_tokens
-from shardlib.shardtypes import make_shardings
+from seqax import config, runs
+from seqax.flat_tokens import open_flat_tokens
+from seqax.shardlib.shardtypes import make_shardings
 
 PROMPTS = [[], [5, 17, 3], [200, 9, 9, 41, 77, 130, 2, 8, 250, 64, 11]]
 NEW_TOKENS = 6

@@ -10,8 +10,8 @@ import pytest
 from jax import lax
 
 from fixtures import make_mesh
-from shardlib import shardops
-from shardlib.shardops import (
+from seqax.shardlib import shardops
+from seqax.shardlib.shardops import (
     SpecError,
     all_gather,
     all_gather_cast,
@@ -21,7 +21,7 @@ from shardlib.shardops import (
     psum_scatter,
     take_unreduced,
 )
-from shardlib.shardtypes import f32, i32, typed_shard_map
+from seqax.shardlib.shardtypes import f32, i32, typed_shard_map
 
 rng = np.random.default_rng(0)
 

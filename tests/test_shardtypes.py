@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fixtures import make_mesh
-from shardlib.shardtypes import (
+from seqax.shardlib.shardtypes import (
     Array,
     Masked,
     ShapeError,

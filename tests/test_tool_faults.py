@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 
 import sample
 import train
-from checkpoint import Checkpointer
-from config import ConfigError, load_config
 from fixtures import snapshot
-from flat_tokens import write_flat_tokens
-from tokenizer import ByteTokenizer, JsonTokenizer
+from seqax.checkpoint import Checkpointer
+from seqax.config import ConfigError, load_config
+from seqax.flat_tokens import write_flat_tokens
+from seqax.tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf
 
 

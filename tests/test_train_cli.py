@@ -8,10 +8,10 @@ import re
 import pytest
 
 import train
-import training_io
-from checkpoint import Checkpointer
-from config import CheckpointError, SeqaxError, load_config
 from fixtures import make_mesh, run_overrides, run_train, synthetic_dataset, tiny_overrides, train_args
+from seqax import training_io
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointError, SeqaxError, load_config
 
 EARLIER_METRICS = '{"step": 0, "loss": 1.0}\n'  # an earlier run's file, which a bad config must leave alone
 

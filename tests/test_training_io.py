@@ -20,16 +20,12 @@ import pytest
 from jax import lax
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import attention
-import config
-import hlo_graph
-import memory
 import train
-import training_io
-from config import load_config
 from fixtures import abstract_state, make_mesh, run_train, tiny_config, train_args
-from jax_extra import save_for_backward
-from shardlib.shardtypes import bool_, f32, typed_shard_map, u32
+from seqax import attention, config, hlo_graph, memory, training_io
+from seqax.config import load_config
+from seqax.jax_extra import save_for_backward
+from seqax.shardlib.shardtypes import bool_, f32, typed_shard_map, u32
 
 
 def dot_flops(jaxpr) -> int:

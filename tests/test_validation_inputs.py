@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 
-import evaluation
 from fixtures import make_mesh, tiny_config
-from flat_tokens import open_flat_tokens
-from tokenizer import dataset_tokenizer
+from seqax import evaluation
+from seqax.flat_tokens import open_flat_tokens
+from seqax.tokenizer import dataset_tokenizer
 from tools import prepare_dataset
 
 TRAIN = [f"training document {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(12)]

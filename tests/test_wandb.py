@@ -15,10 +15,8 @@ import pytest
 import yaml
 from wandb.proto import wandb_internal_pb2
 
-import config
 import train
-import training_io
-import wandb_log
+from seqax import config, training_io, wandb_log
 
 CONFIG_YAML = "model:\n  d_model: 8\ntraining:\n  steps: 8\nlogging:\n  wandb_project: seqax-test\n  wandb_entity: ''\n"
 

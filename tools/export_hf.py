@@ -37,9 +37,9 @@ import jax
 import numpy as np
 import zarr
 
-from config import ConfigError, DatasetError, SeqaxError, TokenizerError
-from runs import load_run_config, load_weights, run_mesh
-from tokenizer import EOD_TOKEN, ByteTokenizer
+from seqax.config import ConfigError, DatasetError, SeqaxError, TokenizerError
+from seqax.runs import load_run_config, load_weights, run_mesh
+from seqax.tokenizer import EOD_TOKEN, ByteTokenizer
 
 BOS_TOKEN = "<seqax_bos>"
 PAD_TOKEN = "<seqax_pad>"

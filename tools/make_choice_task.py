@@ -17,9 +17,9 @@ import json
 import random
 import sys
 
-from config import SeqaxError
-from flat_tokens import open_flat_tokens
-from tokenizer import dataset_tokenizer
+from seqax.config import SeqaxError
+from seqax.flat_tokens import open_flat_tokens
+from seqax.tokenizer import dataset_tokenizer
 
 
 def validation_documents(path: str) -> list[str]:

@@ -49,9 +49,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from config import DatasetError, SeqaxError
-from flat_tokens import FlatTokensWriter
-from tokenizer import from_spec, load_tokenizer
+from seqax.config import DatasetError, SeqaxError
+from seqax.flat_tokens import FlatTokensWriter
+from seqax.tokenizer import from_spec, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # text sent to a worker at a time
 

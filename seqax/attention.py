@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_extra import as_bits, is_16_bit_float, save_in_forward_rule
-from shardlib.shardops import axis_size, einsum_unreduced, ring_pass
+from seqax.jax_extra import as_bits, is_16_bit_float, save_in_forward_rule
+from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
 
 def causal_document_mask(q_position, k_position, q_doc_start, k_doc_start):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from shardlib.shardtypes import Dim, ShapeError, dims_str, make_partition_specs, parse_dims, spec_axes
+from seqax.shardlib.shardtypes import Dim, ShapeError, dims_str, make_partition_specs, parse_dims, spec_axes
 
 
 class SpecError(ValueError):

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import re
 
-import hlo_graph
+from seqax import hlo_graph
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")

@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from config import ConfigError, DistributedConfig, DistributedError, SeqaxError
+from seqax.config import ConfigError, DistributedConfig, DistributedError, SeqaxError
 
 
 def _env_int(name: str) -> int | None:

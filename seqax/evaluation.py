@@ -26,10 +26,10 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from config import Config, ConfigError
-from data_loader import Batch, host_batch_to_devices, make_loader, zigzag_order
-from flat_tokens import FlatTokens
-from tokenizer import dataset_tokenizer
+from seqax.config import Config, ConfigError
+from seqax.data_loader import Batch, host_batch_to_devices, make_loader, zigzag_order
+from seqax.flat_tokens import FlatTokens
+from seqax.tokenizer import dataset_tokenizer
 
 
 @dataclasses.dataclass

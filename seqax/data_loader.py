@@ -39,9 +39,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from config import DatasetConfig, DatasetError
-from flat_tokens import FlatTokens
-from shardlib.shardops import all_gather, axis_size
+from seqax.config import DatasetConfig, DatasetError
+from seqax.flat_tokens import FlatTokens
+from seqax.shardlib.shardops import all_gather, axis_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import google_crc32c
 import numpy as np
 import zarr
 
-from config import DatasetError
+from seqax.config import DatasetError
 
 FORMAT = "flat-tokens/1"
 SPLITS = ("train", "validation")

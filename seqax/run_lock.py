@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from config import ConfigError
+from seqax.config import ConfigError
 
 LOCK_FILE = ".lock"
 

@@ -203,9 +203,13 @@ def config_from_dict(cls, values, where: str = ""):
     return cls(**out)
 
 
+# The repository's configs/, beside the package: what `python -m train --config-name=NAME` reads.
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
 def load_config(name: str, overrides: list[str]) -> Config:
     """configs/<name>.yaml with command-line style overrides, as `python -m train` sees it."""
-    with hydra.initialize_config_dir(config_dir=os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs"),
+    with hydra.initialize_config_dir(config_dir=CONFIGS,
                                      version_base=None):
         cfg = hydra.compose(config_name=name, overrides=overrides)
     return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))

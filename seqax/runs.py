@@ -10,9 +10,9 @@ import jax
 from omegaconf import OmegaConf
 
 import train
-from checkpoint import Checkpointer
-from config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict, mesh_misfit
-from shardlib.shardtypes import make_shardings
+from seqax.checkpoint import Checkpointer
+from seqax.config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict, mesh_misfit
+from seqax.shardlib.shardtypes import make_shardings
 
 
 @dataclasses.dataclass(frozen=True)

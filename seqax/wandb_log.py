@@ -13,7 +13,7 @@ network, for `wandb sync` later.
 import os
 import uuid
 
-from config import ConfigError
+from seqax.config import ConfigError
 
 RUN_ID_FILE = "wandb_run_id"
 

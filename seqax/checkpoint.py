@@ -33,9 +33,9 @@ import numpy as np
 import zarr
 from jax.experimental import multihost_utils
 
-import sharded_zarr
-from config import CheckpointConfig, CheckpointError, ConfigError
-from multihost import console_name
+from seqax import sharded_zarr
+from seqax.config import CheckpointConfig, CheckpointError, ConfigError
+from seqax.multihost import console_name
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^\d{10}$")

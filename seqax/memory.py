@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
-from config import ConfigError
-from jax_extra import SAVED_NAME, explicit_activation_checkpointing
-from shardlib.shardtypes import make_partition_specs
+from seqax.config import ConfigError
+from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing
+from seqax.shardlib.shardtypes import make_partition_specs
 
 MiB = 2**20
 

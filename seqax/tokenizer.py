@@ -19,7 +19,7 @@ import os
 import numpy as np
 import zarr
 
-from config import DatasetError, TokenizerError
+from seqax.config import DatasetError, TokenizerError
 
 ID_OFFSET = 1  # stored id = tokenizer id + 1; 0 is the begin-of-document input
 EOD_TOKEN = "<eod>"  # the bytes tokenizer's end of document, in its tokenizer.json

@@ -26,10 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
-import communication
-import hlo_graph
-import memory
-from wandb_log import WandbLog
+from seqax import communication, hlo_graph, memory
+from seqax.wandb_log import WandbLog
 
 
 def _import_tensorboardx():
