@@ -53,7 +53,7 @@ def test_a_held_lock_refuses_a_second_holder_until_released(tmp_path):
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     run_dir = str(tmp_path / "run")
-    script = (f"import run_lock, time\nwith run_lock.hold({run_dir!r}):\n"
+    script = (f"import time\nfrom seqax import run_lock\nwith run_lock.hold({run_dir!r}):\n"
               "    print('held', flush=True)\n    time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
