@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqax.jax_extra import as_bits, is_16_bit_float, save_in_forward_rule
+from seqax.jax_extra import save_in_forward_rule
+from seqax.shardlib.bits import through_bits
 from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
 
@@ -81,12 +82,9 @@ def from_head_blocks(x):
 
 
 def block_at(blocks, n):
-    """blocks[:, n]: block n [B, ...] of [B, N, ...]. A 16-bit float array is read as
-    its bits: XLA:CPU holds a bfloat16 array that a loop slices as float32, converting all of it
-    before the loop and every block read back (the gap that jax_extra's saving as bits closes)."""
-    if not is_16_bit_float(blocks):
-        return lax.dynamic_index_in_dim(blocks, n, axis=1, keepdims=False)
-    return lax.bitcast_convert_type(lax.dynamic_index_in_dim(as_bits(blocks), n, axis=1, keepdims=False), blocks.dtype)
+    """blocks[:, n]: block n [B, ...] of [B, N, ...]. A bfloat16 array is read as its bits
+    (shardlib/bits.py): XLA:CPU would hold it as float32 for the loop that slices it."""
+    return through_bits(partial(lax.dynamic_index_in_dim, index=n, axis=1, keepdims=False), blocks)
 
 
 def add_to_block(blocks, j, update):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqax.shardlib.bits import through_bits
 from seqax.shardlib.shardtypes import Dim, ShapeError, dims_str, make_partition_specs, parse_dims, spec_axes
 
 
@@ -81,10 +82,7 @@ def all_gather_cast(spec: str, x, dtype):
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _gather_cast(x, gathers, dtype):
-    # The cast values travel as unsigned integers of the same width: XLA:CPU widens a bfloat16
-    # collective back to float32, a bit-for-bit integer copy it leaves alone (GPUs, TPUs: free).
-    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
-    return lax.bitcast_convert_type(_gather(gathers, lax.bitcast_convert_type(x.astype(dtype), bits)), dtype)
+    return through_bits(partial(_gather, gathers), x.astype(dtype))  # a bf16 collective as its bits (bits.py)
 
 
 def _gather_cast_forward(x, gathers, dtype):
@@ -354,12 +352,7 @@ def ring_pass(spec: str, x, axis: str):
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _permute(x, axis, perm):
-    # Values narrower than 32 bits travel as unsigned integers of their width, as in _gather_cast:
-    # XLA:CPU widens a bfloat16 collective-permute to float32, twice the bytes.
-    if x.dtype.itemsize >= 4 or not jnp.issubdtype(x.dtype, jnp.floating):
-        return lax.ppermute(x, axis, perm=perm)
-    bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-    return lax.bitcast_convert_type(lax.ppermute(lax.bitcast_convert_type(x, bits), axis, perm=perm), x.dtype)
+    return through_bits(partial(lax.ppermute, axis_name=axis, perm=perm), x)  # a bf16 block as its bits (bits.py)
 
 
 def _permute_forward(x, axis, perm):
@@ -409,14 +402,14 @@ def all_to_all(spec: str, x):
 
 @partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _all_to_all(x, moves):
-    bits = (jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-            if x.dtype.itemsize < 4 and jnp.issubdtype(x.dtype, jnp.floating) else None)
-    y = x if bits is None else lax.bitcast_convert_type(x, bits)  # XLA:CPU would widen a bf16 all-to-all
-    for axes, leaving, joining in moves:
-        if lax.axis_size(axes) > 1:
-            y = lax.all_to_all(y, axes if len(axes) > 1 else axes[0], split_axis=joining, concat_axis=leaving,
-                               tiled=True)
-    return y if bits is None else lax.bitcast_convert_type(y, x.dtype)
+    def exchange(y):
+        for axes, leaving, joining in moves:
+            if lax.axis_size(axes) > 1:
+                y = lax.all_to_all(y, axes if len(axes) > 1 else axes[0], split_axis=joining, concat_axis=leaving,
+                                   tiled=True)
+        return y
+
+    return through_bits(exchange, x)  # a bf16 matrix as its bits (bits.py)
 
 
 def _all_to_all_forward(x, moves):
