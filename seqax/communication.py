@@ -13,15 +13,11 @@ nothing. The figures are per step and per device.
 
 import collections
 import dataclasses
-import math
 import re
 
-from seqax import hlo_graph
+from seqax import hlo
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-            "f64": 8, "s64": 8, "u64": 8}
 # How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their
 # uint16 bits (XLA:CPU would widen a bfloat16 collective to float32).
 SHOWN_DTYPE = {"u16": "bf16 (as u16 bits)"}
@@ -49,10 +45,9 @@ class Collective:
 
 
 def array_bytes(shape: str) -> tuple[str, int]:
-    """(dtype, bytes) of an HLO shape such as 'f32[16,64]{1,0}', or of a tuple of them."""
-    arrays = _ARRAY.findall(shape)
-    return (arrays[0][0] if arrays else "?"), sum(
-        math.prod(int(d) for d in dims.split(",") if d) * ITEMSIZE.get(t, 4) for t, dims in arrays)
+    """(dtype of its first array, bytes of all) of an HLO shape such as 'f32[16,64]{1,0}', or of a tuple."""
+    found = hlo.arrays(shape)
+    return (found[0][0] if found else "?"), hlo.shape_bytes(shape)
 
 
 def group_size(attributes: str) -> int:
@@ -76,42 +71,24 @@ def sent_bytes(kind: str, full_bytes: int, group: int) -> float:
 
 
 def step_collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of a compiled step (Compiled.as_text()) with how often it runs: the
-    computations reached from the entry, a while body's count multiplied by its trip count. A
-    loop of unknown trip count (a fori_loop with a traced bound) holding a collective counts its
-    body once and is named in the error raised, since the bytes would be a guess."""
-    computations = hlo_graph.parse_hlo(hlo_text)
-    lines = {}
-    for line in hlo_text.splitlines():
-        match = re.match(r"^\s+(?:ROOT )?%(\S+) = (.*)$", line)
-        if match:
-            lines[match.group(1)] = match.group(2)
-    runs: collections.Counter = collections.Counter()
-
-    def visit(name: str, times: int, path: tuple):
-        if name in path or name not in computations:
-            return
-        runs[name] += times
-        for inst in computations[name].instructions:
-            for called in inst.calls:
-                if (inst.opcode == "while" and inst.trip_count is None
-                        and any(_holds_collective(computations, called, ()))):
-                    raise ValueError(f"while loop {inst.name} runs collectives an unknown number of times")
-                visit(called, times * (inst.trip_count or 1) if inst.opcode == "while" else times, path + (name,))
-
-    entry = next(c.name for c in computations.values() if c.is_entry)
-    visit(entry, 1, ())
+    """Every collective of a compiled step (Compiled.as_text()) with how often it runs per step (a
+    while body's count multiplied by its trip count: hlo.runs_per_call). A collective inside a loop of
+    unknown trip count (a fori_loop with a traced bound) is an error naming the loop's body, since
+    its bytes would be a guess."""
+    computations = hlo.parse_hlo(hlo_text)
+    runs, uncounted = hlo.runs_per_call(computations)
     found = []
     for name, times in runs.items():
         for inst in computations[name].instructions:
             kind = inst.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
-            text = lines[inst.name]
-            shape = text.split(f" {inst.opcode}(")[0]
+            if name in uncounted:
+                raise ValueError(f"{inst.name} in {name} runs inside a while loop of unknown trip count")
+            shape = inst.shape
             if inst.opcode.endswith("-start") and shape.startswith("("):  # (operand, result): the result
                 shape = shape[shape.rindex(", ") + 2 : -1] if kind != "collective-permute" else shape
-            group = group_size(text)
+            group = group_size(inst.attributes)
             dtype, size = array_bytes(shape)
             if kind == "reduce-scatter":
                 size *= group  # the result is one device's slice; the ring moves the whole array
@@ -119,16 +96,6 @@ def step_collectives(hlo_text: str) -> list[Collective]:
                 group = 2
             found.append(Collective(kind, dtype, group, sent_bytes(kind, size, group) if group > 1 else 0.0, times))
     return found
-
-
-def _holds_collective(computations: dict, name: str, path: tuple):
-    if name in path or name not in computations:
-        return
-    for inst in computations[name].instructions:
-        if inst.opcode.removesuffix("-start") in KINDS:
-            yield True
-        for called in inst.calls:
-            yield from _holds_collective(computations, called, path + (name,))
 
 
 def totals(collectives: list[Collective]) -> dict[tuple[str, str], float]:

@@ -4,77 +4,17 @@ drawn as one node named after their main operation, matmuls and collectives colo
 
 Why our own converter: JAX has no public call that renders HLO as a graph. XLA's dump flags
 (`--xla_dump_to --xla_dump_hlo_as_dot`) are process-wide and must be set before JAX starts,
-and jaxlib's private renderer has moved between releases. `Compiled.as_text()` is public and
-its text format is stable, so we parse it here.
+and jaxlib's private renderer has moved between releases. The text of `Compiled.as_text()` is
+public; hlo.py parses it.
 """
 
-import re
-from dataclasses import dataclass, field
+from seqax.hlo import Computation, Instruction, entry, parse_hlo
 
 COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "all-gather-start", "all-reduce-start", "collective-permute-start"}
 MATMULS = {"dot", "convolution"}
 # Plumbing left out of the picture: an edge through one of these goes to its producer.
 PASS_THROUGH = {"get-tuple-element", "tuple", "bitcast", "constant", "copy", "parameter"}
-
-_COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s+(ROOT )?%(\S+) = (.*)$")
-_OPCODE = re.compile(r"(?:^|[\s}\])])([a-z][a-z0-9\-]*)\(")
-
-
-@dataclass
-class Instruction:
-    name: str
-    shape: str  # e.g. "f32[16,64]" or "tuple"
-    opcode: str
-    operands: list[str]
-    calls: list[str]  # computations it calls (fusion body, while body)
-    trip_count: int | None = None
-
-
-@dataclass
-class Computation:
-    name: str
-    is_entry: bool
-    instructions: list[Instruction] = field(default_factory=list)
-
-
-def _matching_paren(text: str, start: int) -> int:
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
-    return len(text)
-
-
-def parse_instruction(name: str, rest: str) -> Instruction:
-    match = _OPCODE.search(rest)
-    opcode = match.group(1)
-    close = _matching_paren(rest, match.end() - 1)
-    operands = re.findall(r"%([\w.\-]+)", rest[match.end() : close])
-    attributes = rest[close:]
-    calls = re.findall(r"(?:calls|body)=%([\w.\-]+)", attributes)
-    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
-    shape = "tuple" if rest.startswith("(") else rest.split("{")[0].split(" ")[0]
-    return Instruction(name, shape, opcode, operands, calls, int(trip.group(1)) if trip else None)
-
-
-def parse_hlo(text: str) -> dict[str, Computation]:
-    computations: dict[str, Computation] = {}
-    current = None
-    for line in text.splitlines():
-        if current is None:
-            header = _COMPUTATION.match(line)
-            if header:
-                current = computations[header.group(2)] = Computation(header.group(2), bool(header.group(1)))
-        elif line.startswith("}"):
-            current = None
-        else:
-            instruction = _INSTRUCTION.match(line)
-            if instruction:
-                current.instructions.append(parse_instruction(instruction.group(2), instruction.group(3)))
-    return computations
 
 
 def _label_and_colour(inst: Instruction, computations: dict[str, Computation]) -> tuple[str, str]:
@@ -91,7 +31,8 @@ def _label_and_colour(inst: Instruction, computations: dict[str, Computation]) -
         operation = f"while x{inst.trip_count or '?'}"
     colour = ("lightgrey" if inst.opcode == "while" else "lightblue" if ops & MATMULS
               else "orange" if ops & COLLECTIVES else "white")
-    return f"{inst.name}\\n{operation}\\n{inst.shape}", colour
+    shape = "tuple" if inst.shape.startswith("(") else inst.shape.split("{")[0]
+    return f"{inst.name}\\n{operation}\\n{shape}", colour
 
 
 def _is_shown(computation: Computation, inst: Instruction) -> bool:
@@ -125,8 +66,7 @@ def _computation_lines(computation: Computation, index: int, computations: dict[
 def to_dot(text: str, title: str = "training step") -> str:
     """Graphviz source for the optimized HLO `text` (Compiled.as_text())."""
     computations = parse_hlo(text)
-    entry = next(c for c in computations.values() if c.is_entry)
-    shown = [(entry, None)]
+    shown = [(entry(computations), None)]
     for computation, _ in shown:  # while bodies, found breadth-first (the list grows)
         for inst in computation.instructions:
             if inst.opcode == "while" and inst.calls and inst.calls[0] in computations:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
+from seqax import hlo
 from seqax.config import ConfigError
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing
 from seqax.shardlib.shardtypes import make_partition_specs
@@ -99,9 +100,7 @@ def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDty
 def residual_size(line: str) -> tuple[str, int]:
     """('bf16[16,64,256]', bytes) of a print_saved_residuals line."""
     dtype, dims = _RESIDUAL.match(line).groups()
-    shape = [int(d) for d in dims.split(",") if d]
-    itemsize = 1 if dtype == "bool" else int(re.search(r"\d+$", dtype).group()) // 8  # bf16, f32, u32, ...
-    return f"{dtype}[{dims}]", math.prod(shape) * itemsize
+    return f"{dtype}[{dims}]", hlo.shape_bytes(f"{dtype}[{dims}]")
 
 
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
