@@ -243,9 +243,9 @@ def main(argv=None):
                               "--temperature and --top-k not negative")
         run = load_run_config(args.run_dir)
         prompt, tokenizer, max_token_id = prompt_and_tokenizer(args, run)
-        mesh = run_mesh(run.model, args.mesh_d, args.mesh_t)
+        mesh = run_mesh(run.model, train.Model, args.mesh_d, args.mesh_t)
         check_cache_fits(run.model, *cache_size(mesh, len(prompt), args.num_samples, args.max_new_tokens), mesh)
-        step, weights = load_weights(args.run_dir, run, mesh, args.step)
+        step, weights = load_weights(args.run_dir, run, mesh, train.init_weights, train.Model, args.step)
         trained_c = (f" (the run trained with mesh.c={run.trained_context_devices}; its weights do not depend on c)"
                      if run.trained_context_devices > 1 else "")
         mesh_shown = f"mesh d={mesh.shape['d']} t={mesh.shape['t']} c=1{trained_c}"

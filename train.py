@@ -13,7 +13,8 @@ MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits
 vocabulary (tensor parallelism, Megatron-style) and, between blocks, the residual stream's M
 (`B/d L/c M/t`): each block all-gathers it over t before its norm and reduce-scatters its output;
 `c` splits every row's positions (context parallelism: each device holds two chunks of each row,
-data_loader.zigzag_chunks; attention passes keys and values around the c ring) and, with d, the weights.
+data_loader.zigzag_chunks; attention passes keys and values around the c ring) and, with d, the
+weights.
 
 Precision: weights, optimizer state, the residual stream and norms in float32; matmul operands in
 MATMUL_DTYPE (bfloat16) with float32 accumulation; every sum across devices in float32.
@@ -24,13 +25,14 @@ Names: `cfg` is a run's Config, `h` its model section, `training` its training s
 import contextlib
 import math
 import os
-import signal
+import sys
+import typing
 from functools import partial
 
-if __name__ == "__main__":  # `python -m train`: a SIGTERM during the imports below gets multihost's line too
-    signal.signal(signal.SIGTERM, lambda signum, frame: (
-        os.write(2, b"seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
-                    b"a restart resumes from the newest checkpoint\n"), os._exit(128 + signum)))
+if __name__ == "__main__":  # `python -m train`: a SIGTERM during the imports below gets its one line too
+    from seqax.signals import exit_on_sigterm
+
+    exit_on_sigterm()
 
 import hydra
 import jax
@@ -39,20 +41,23 @@ from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
 from seqax import run_lock
-from seqax import training_io
 from seqax.attention import ring_attention
-from seqax.checkpoint import Checkpointer, PreemptionWatch
-from seqax.config import Config, ModelConfig, TrainingConfig, check_attention_blocks, config_from_dict, validate_config
-from seqax.data_loader import make_loader, this_devices_chunks, whole_rows
+from seqax.checkpoint import Checkpointer
+from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict
+from seqax.data_loader import make_loader, zigzag_chunks
 from seqax.evaluation import Evaluation
 from seqax.flat_tokens import open_flat_tokens
 from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from seqax.memory import check_step_fits
-from seqax.multihost import initialize_distributed, make_mesh, run_program
-from seqax.shardlib.shardops import (all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm,
-                               index_unreduced, psum, psum_scatter, take_unreduced)
+from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program
+from seqax.records import RunRecords
+from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
+from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, take_unreduced
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_shardings, pytree_dataclass, typechecked
 from seqax.shardlib.shardtypes import typed_shard_map, u32
+from seqax.signals import PreemptionWatch
+from seqax.startup_report import StartupReport, compile_step
+from seqax.validation import check_attention_blocks, validate_config
 
 # ---------------------------------------------------------------------------------------------
 # Operands of every matmul are cast to this type; products accumulate in float32. bfloat16 is the
@@ -107,8 +112,8 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
     the mesh (threefry is partitionable)."""
     M, Q, K, D, F, V, n = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab, h.layers
 
-    # `drawn_as`: the same values drawn with unsplit dimensions merged, which XLA:CPU compiles
-    # several times faster (docs/performance.md, "Start-up").
+    # XLA:CPU only: `drawn_as` draws the same values with unsplit dimensions merged, which XLA:CPU
+    # compiles several times faster (docs/performance.md, "Start-up").
     def normal(name, shape, fan_in, drawn_as=None):
         values = jax.random.normal(fold_in_str(key, name), drawn_as or shape, jnp.float32)
         return values.reshape(shape) / math.sqrt(fan_in)
@@ -130,6 +135,29 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
 
 # ---------------------------------------------------------------------------------------------
 # The model. Everything below runs inside shard_map: shapes are per device.
+
+
+# With context parallelism (c > 1) a device holds two chunks of each row (data_loader.zigzag_chunks),
+# but a token's input, document start and position depend on the tokens before it, which may be on
+# other devices: these two go to whole rows and back (an all-gather over c of a few bytes a token;
+# with c = 1 both are the identity).
+
+
+def whole_rows(x):
+    """[B/d, L/c] (this device's chunks, in the order of zigzag_chunks) -> [B/d, L], the rows in order."""
+    c = lax.axis_size("c")
+    chunks = zigzag_chunks(x.shape[1] * c, c)
+    laid_out = all_gather("B/d L/c -> B/d L", x)
+    offsets = [sum(stop - start for start, stop in chunks[:i]) for i in range(len(chunks))]
+    pieces = [laid_out[:, o : o + stop - start] for (start, stop), o in sorted(zip(chunks, offsets))]
+    return jnp.concatenate(pieces, axis=1)
+
+
+def this_devices_chunks(x):
+    """[B/d, L] whole rows -> [B/d, L/c], the chunks this device holds."""
+    c = lax.axis_size("c")
+    laid_out = jnp.concatenate([x[:, start:stop] for start, stop in zigzag_chunks(x.shape[1], c)], axis=1)
+    return lax.dynamic_slice_in_dim(laid_out, lax.axis_index("c") * (x.shape[1] // c), x.shape[1] // c, axis=1)
 
 
 @typechecked
@@ -193,12 +221,12 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, MATMUL_DTYPE)
     gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
     up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
-    # silu(gate) * up in float32, rounded once (faster on XLA:CPU than in bf16; docs/performance.md).
+    # XLA:CPU only: silu(gate) * up in float32, rounded once (faster there than bf16; docs/performance.md).
     gate_f32 = gate.astype(jnp.float32)
     hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(MATMUL_DTYPE)
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
-    # w_down enters transposed, [M, F/t] (stored [F, M]), so that XLA:CPU's weight gradient
-    # transposes the output gradient, not hidden (docs/performance.md, "w_down").
+    # XLA:CPU only: w_down enters transposed, [M, F/t] (stored [F, M]), so that XLA:CPU's weight
+    # gradient transposes the output gradient, not hidden (docs/performance.md, "w_down").
     out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out), extra
 
@@ -208,7 +236,9 @@ def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: 
                    sin: f32[b"B/d L/c R"], cos: f32[b"B/d L/c R"], row_position: u32[b"L/c"]) -> f32[b"B/d L/c M/t"]:
     """transformer_layer as training runs it: causal attention within documents, by blocks, over
     the keys of every device of the c ring (row_position: where each token sits in the row)."""
-    attend = lambda q, k, v: (ring_attention(q, k, v, doc_start, row_position, h.attention_block), None)  # noqa: E731
+    def attend(q, k, v):
+        return ring_attention(q, k, v, doc_start, row_position, h.attention_block), None
+
     return transformer_layer(h, x, w, (sin, cos), attend)[0]
 
 
@@ -263,8 +293,13 @@ def token_losses(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
                  is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c"]:
     """The next-token cross-entropy of every target of packed documents: -log p(target). Each
     document's first token is predicted from input token 0, so every token of it is a target."""
-    row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)  # a chunk's first input ends another chunk
-    inputs = this_devices_chunks(jnp.where(row_starts, 0, jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))))
+    # The inputs are the targets shifted right by one position: the model at position i sees token
+    # i - 1 and predicts token i. At a document's first position the input is token 0 (begin of
+    # document), not the previous document's last token. The shift is done on whole rows: with
+    # c > 1 the input of a chunk's first position is the last target of another device's chunk.
+    row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)
+    shifted = jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))  # [B/d, L]: position i holds target i - 1
+    inputs = this_devices_chunks(jnp.where(row_starts, 0, shifted))
     logits = forward(h, w, inputs, is_seq_start)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t; take_unreduced picks the target's logit on the device holding it.
@@ -285,7 +320,8 @@ def model_loss(h: ModelConfig, w: Model, targets, is_seq_start, loss_mask):
 # names, AdamW (Loshchilov & Hutter 2019; Kingma & Ba 2015's bias correction) for all others
 # (`MUON = {}`: AdamW alone). Both take the gradient clipped to a global norm, decay weights
 # decoupled and follow one schedule. Each entry: the spec that spreads the stacked layers over all
-# devices, each then holding whole matrices, and how many dimensions after `layers` are the rows.
+# devices, each then holding whole matrices (its inverse brings them back), and how many dimensions
+# after `layers` are the rows.
 MUON = {
     "w_q": ("layers M/d/c Q K/t D -> layers/d/c/t M Q K D", 1),  # [M, Q K D]
     "w_k": ("layers M/d/c K/t D -> layers/d/c/t M K D", 1),
@@ -345,12 +381,19 @@ def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, rows:
     whole = all_to_all(spread, padded)  # [layers / devices, ...]: this device's matrices, whole
     fan_in, fan_out = math.prod(whole.shape[1 : 1 + rows]), math.prod(whole.shape[1 + rows :])
     matrices = whole.reshape(whole.shape[0], fan_in, fan_out)
-    wide = lambda x: jnp.swapaxes(x, 1, 2) if fan_in > fan_out else x  # noqa: E731  (a tall matrix goes as X^T)
+
+    def wide(x):  # newton_schulz takes rows <= cols: a tall matrix goes as its transpose
+        return jnp.swapaxes(x, 1, 2) if fan_in > fan_out else x
+
+    def orthogonalize(matrices):
+        return lax.map(newton_schulz, matrices)  # one matrix at a time
+
+    def skip(matrices):
+        return jnp.zeros_like(matrices, jnp.float32)
+
     first = lax.axis_index(("d", "c", "t")) * whole.shape[0]  # a device that holds padding only skips the work
-    update = lax.cond(first < layers, partial(lax.map, newton_schulz), partial(jnp.zeros_like, dtype=jnp.float32),
-                      wide(matrices))  # one matrix at a time
-    update = wide(update.astype(MATMUL_DTYPE))
-    update = all_to_all(" -> ".join(reversed(spread.split(" -> "))), update.reshape(whole.shape))
+    update = wide(lax.cond(first < layers, orthogonalize, skip, wide(matrices)).astype(MATMUL_DTYPE))
+    update = all_to_all(inverse(spread), update.reshape(whole.shape))  # back to the weight's sharding
     scale = math.sqrt(max(1.0, fan_out / fan_in))
     w = w - lr * (scale * update[:layers].astype(jnp.float32) + training.muon_weight_decay * w)
     return w, momentum
@@ -367,23 +410,36 @@ def newton_schulz_flops(h: ModelConfig, devices: int) -> tuple[float, float]:
     return h.layers * per_layer, -(-h.layers // devices) * per_layer
 
 
+class Update(typing.NamedTuple):
+    """One weight's new value and its optimizer's new state: Muon's momentum, or AdamW's moments."""
+
+    weight: jax.Array
+    momentum: jax.Array | None
+    mu: jax.Array | None
+    nu: jax.Array | None
+
+
 def optimizer_step(training: TrainingConfig, step, state: State, grads: Model, grad_norm) -> tuple[State, jax.Array]:
     """Muon on the weights MUON names, AdamW on the rest, from the gradients clipped to the global
     norm `grad_norm`. Returns the new state and AdamW's learning rate."""
     fraction = schedule(training, step)
+    muon_lr, adamw_lr = training.muon_learning_rate * fraction, training.learning_rate * fraction
     clip = jnp.minimum(1.0, training.grad_clip / jnp.maximum(grad_norm, 1e-30))
 
-    def update(path, w, g, momentum, mu, nu):  # the state holds the momentum or the moments, None for the other
+    def update(path, w, g, momentum, mu, nu) -> Update:  # the state holds momentum or moments, None for the other
         if path[-1].name in MUON:
-            lr = training.muon_learning_rate * fraction
-            return *muon_update(training, lr, w, g * clip, momentum, *MUON[path[-1].name]), None, None
-        w, mu, nu = adamw_update(training, step, training.learning_rate * fraction, w, g * clip, mu, nu)
-        return w, None, mu, nu
+            w, momentum = muon_update(training, muon_lr, w, g * clip, momentum, *MUON[path[-1].name])
+        else:
+            w, mu, nu = adamw_update(training, step, adamw_lr, w, g * clip, mu, nu)
+        return Update(w, momentum, mu, nu)
 
-    updated = jax.tree_util.tree_map_with_path(update, state.weights, grads, state.muon_momentum, state.adam_mu,
-                                               state.adam_nu)
-    pick = lambda i: jax.tree.map(lambda u: u[i], updated, is_leaf=lambda x: isinstance(x, tuple))  # noqa: E731
-    return State(*map(pick, range(4))), training.learning_rate * fraction
+    updates = jax.tree_util.tree_map_with_path(update, state.weights, grads, state.muon_momentum, state.adam_mu,
+                                               state.adam_nu)  # a Model with an Update at every weight
+
+    def field(name):  # one field of every Update, as a Model (None where that optimizer has no state)
+        return jax.tree.map(lambda u: getattr(u, name), updates, is_leaf=lambda x: isinstance(x, Update))
+
+    return State(field("weight"), field("momentum"), field("mu"), field("nu")), adamw_lr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +453,10 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
                        loss_mask: bool_[b"B/d L/c"]) -> tuple[State, Metrics]:
         loss_and_grad = jax.value_and_grad(partial(model_loss, cfg.model))
         loss, grads = loss_and_grad(state.weights, targets, is_seq_start, loss_mask)
-        loss = lax.psum(loss, ("d", "c"))  # outside autodiff: the gradients are already global
+        # Each device differentiates its own share of the loss (its rows and positions): the sum over
+        # devices of the gradients happens in the weights' gathers, whose transpose is a reduce-scatter.
+        # Only the reported loss needs the total, so it is summed here, outside autodiff.
+        loss = lax.psum(loss, ("d", "c"))
         grad_norm = global_norm(grads, Model)  # each gradient is sharded as its weight
         state, lr = optimizer_step(cfg.training, step, state, grads, grad_norm)
         return state, Metrics(loss, lr, grad_norm)
@@ -413,8 +472,10 @@ def eval_step(weights: Model, targets, is_seq_start, cfg: Config) -> jax.Array:
 
 def fresh_state(weights: Model) -> State:
     """`weights`, with Muon's momentum of the weights MUON names and AdamW's moments of the others at zero."""
-    zeros = lambda muon: jax.tree_util.tree_map_with_path(  # noqa: E731
-        lambda path, w: jnp.zeros_like(w) if (path[-1].name in MUON) == muon else None, weights)
+    def zeros(for_muon: bool):  # a Masked[Model]: zeros at the weights of one optimizer, None at the other's
+        return jax.tree_util.tree_map_with_path(
+            lambda path, w: jnp.zeros_like(w) if (path[-1].name in MUON) == for_muon else None, weights)
+
     return State(weights, zeros(True), zeros(False), zeros(False))
 
 
@@ -427,9 +488,14 @@ def init_state(cfg: Config, mesh) -> State:
 # The loop. Checkpoint N holds the state after N steps, so resuming from it runs step N next.
 
 
+def is_due(interval: int, done: int, steps: int) -> bool:
+    """Whether something that runs every `interval` steps (0: only at the end) runs after `done` steps."""
+    return done == steps or (interval > 0 and done % interval == 0)
+
+
 def train(cfg: Config, resolved_yaml: str):
     dataset = open_flat_tokens(cfg.dataset.path)
-    validate_config(cfg, jax.device_count(), dataset.max_token_id)
+    validate_config(cfg, jax.device_count(), dataset.max_token_id, Model)
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
     evaluation = Evaluation(cfg, dataset, mesh)  # a task file that does not fit stops the run here, with one line
     run_dir = os.path.join(cfg.paths.root_working_dir, cfg.paths.model_name)
@@ -445,30 +511,35 @@ def train(cfg: Config, resolved_yaml: str):
         # A checkpoint that does not fit the state stops the run here, before anything but the lock is written.
         restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
         start = restored[0] if restored else 0
-        log = opened.enter_context(contextlib.closing(training_io.RunLog(
-            run_dir, resolved_yaml, cfg, start, model_flops_per_token, newton_schulz_flops)))
+        records = opened.enter_context(contextlib.closing(RunRecords(
+            run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len))))
         state = restored[1] if restored else init_state(cfg, mesh)
         # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
-        step_fn = log.compile(lambda: training_io.compile_step(training_step, cfg, state, mesh))
-        log.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model), MUON)
+        report = opened.enter_context(contextlib.closing(StartupReport(run_dir, cfg)))
+        step_fn = report.compile(lambda: compile_step(training_step, cfg, state, mesh), model_flops_per_token,
+                                 newton_schulz_flops)
+        report.memory_report(step_fn, state, mesh, partial(training_layer, cfg.model), forward, MUON)
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
-        log.communication_report(step_fn)
-        log.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
+        report.communication_report(step_fn)
+        records.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
         # From here SIGTERM asks for a checkpoint after the next step; before, there was no new
-        # step to save and it stopped the run at once (multihost.exit_on_sigterm).
+        # step to save and it stopped the run at once (signals.exit_on_sigterm).
         preemption = opened.enter_context(PreemptionWatch())
         for step in range(start, cfg.training.steps):
             batch = loader.batch(step)
-            log.before_step(step, state)  # the profiler trace covers two steps after the first
+            records.before_step(step, state)  # the profiler's trace covers two steps after the first
             state, metrics = step_fn(state, jnp.uint32(step), batch.targets, batch.is_seq_start, batch.loss_mask)
-            log.after_step(step, metrics)  # logs the step before: reading metrics never stalls the device
+            records.after_step(step, metrics)  # logs the step before: reading metrics never stalls the device
             checkpointer.check()  # a failed background write stops training here
             preempted, done = preemption.reached(step), step + 1
-            if preempted or training_io.is_due(cfg.checkpoint_interval, done, cfg.training.steps):
-                log.flush()  # every step a checkpoint holds is logged before it commits
+            if preempted:
+                print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr,
+                      flush=True)
+            if preempted or is_due(cfg.checkpoint_interval, done, cfg.training.steps):
+                records.flush()  # every step a checkpoint holds is logged before it commits
                 checkpointer.save(done, state)  # returns after the device-to-host copy
-            if evaluation and training_io.is_due(cfg.eval_interval, done, cfg.training.steps):
-                log.eval(done, partial(evaluation, partial(eval_step, state.weights, cfg=cfg)))
+            if evaluation and is_due(cfg.eval_interval, done, cfg.training.steps):
+                records.eval(done, evaluation, partial(eval_step, state.weights, cfg=cfg))
             if preempted:
                 break
     return state

@@ -3,8 +3,8 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.checkpoint_async \\
         [--steps 10] [--rounds 4] [--compression none] [--keep 2] [key=value ...]
 
-The loop is train.py's: dispatch step s, then read the metrics of step s-1 (RunLog.after_step);
-when a checkpoint is due, read those of step s too (RunLog.flush) and `save(s + 1, state)`,
+The loop is train.py's: dispatch step s, then read the metrics of step s-1 (RunRecords.after_step);
+when a checkpoint is due, read those of step s too (RunRecords.flush) and `save(s + 1, state)`,
 which returns after the device-to-host copy while the files are written in the background.
 Batches are bench/measure_step.py's (random tokens, one document a row). Rounds alternate the
 two modes so that a change in the machine's load hits both; the figures are medians.
@@ -38,11 +38,11 @@ def step_times(cfg: config.Config, mesh, steps: int, directory: str | None,
         for step in range(3 + steps):
             state, metrics = train.training_step(state, jnp.uint32(step), targets, starts, mask, cfg)
             if pending is not None:
-                jax.device_get(pending)  # what RunLog.after_step waits for
+                jax.device_get(pending)  # what RunRecords.after_step waits for
             pending = metrics
             if checkpointer:
                 checkpointer.check()
-                jax.device_get(pending)  # RunLog.flush
+                jax.device_get(pending)  # RunRecords.flush
                 pending = None
                 start = time.perf_counter()
                 checkpointer.save(step + 1, state)

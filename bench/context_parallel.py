@@ -23,7 +23,8 @@ import numpy as np
 import train
 from bench.measure_step import time_steps
 from bench.memory import accelerator_estimate
-from seqax import config, memory, training_io
+from seqax import config, memory
+from seqax.startup_report import compile_step
 
 MiB = 2**20
 MODEL = ["model.attention_block=256", "training.tokens.batch=1", "model.n_kv=8", "model.n_q_per_kv=1"]
@@ -38,9 +39,9 @@ def load(length: int, d: int, t: int, c: int, overrides: list[str]) -> config.Co
 def memory_row(length: int, c: int, overrides: list[str]) -> dict:
     cfg = load(length, 1, 1, c, overrides)
     mesh = train.make_mesh(1, 1, c, devices=jax.devices()[:c])
-    terms, state, _, _ = accelerator_estimate(cfg, mesh)
+    terms, state, _ = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
-        analysis = training_io.compile_step(train.training_step, cfg, state, mesh).memory_analysis()
+        analysis = compile_step(train.training_step, cfg, state, mesh).memory_analysis()
     activations = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
     return {"c": c, "activations": activations, "temp": analysis.temp_size_in_bytes,
             "peak": memory.compiled_peak_bytes(analysis)}

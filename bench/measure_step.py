@@ -21,7 +21,9 @@ import numpy as np
 
 import train
 from bench.throughput import Row
-from seqax import config, memory, training_io
+from seqax import config, hardware, memory
+from seqax.startup_report import compile_step
+from seqax.validation import validate_config
 
 
 def progress(text: str):
@@ -56,7 +58,7 @@ def time_steps(cfg: config.Config, steps: int, warmup: int):
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
         started = time.perf_counter()
-        step_fn = training_io.compile_step(train.training_step, cfg, state, mesh)
+        step_fn = compile_step(train.training_step, cfg, state, mesh)
         compile_seconds = time.perf_counter() - started
         progress(f"compiled in {compile_seconds:.1f} s")
         for step in range(warmup + steps):
@@ -88,12 +90,12 @@ def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
     if needed != n:
         row.status, row.note = "skipped", f"its mesh is for {needed} device(s), this machine has {n}"
         return row
-    config.validate_config(cfg, n, max_token_id=0)  # the batch is random tokens below model.vocab
+    validate_config(cfg, n, max_token_id=0, weights=train.Model)  # the batch: random tokens below model.vocab
     compiled, row.compile_seconds, times = time_steps(cfg, steps, warmup)
     row.step_time_median_s, row.step_time_min_s, row.step_time_max_s = float(np.median(times)), min(times), max(times)
     row.tokens_per_second = row.tokens_per_step / row.step_time_median_s
     row.peak_memory_bytes, row.peak_memory_source = peak_memory(compiled)
-    peak, peak_source = training_io.peak_flops()  # on CPU a measurement: after the steps, so that it does not slow them
+    peak, peak_source = hardware.peak_flops()  # on CPU a measurement: after the steps, so that it does not slow them
     row.mfu = (train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * row.tokens_per_second / peak
                if peak else None)
     row.note = f"MFU of {peak / 1e12:.3g} TFLOP/s: {peak_source}" if peak else f"no peak FLOP/s known: {peak_source}"

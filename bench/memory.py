@@ -27,8 +27,10 @@ from functools import partial
 import jax
 
 import train
-from seqax import communication, config, memory, training_io
+from seqax import communication, config, memory
 from seqax.shardlib.shardtypes import abstract_arrays
+from seqax.startup_report import compile_step
+from seqax.validation import validate_config
 
 GiB = 2**30
 
@@ -52,28 +54,27 @@ def config_mesh(cfg: config.Config):
     return train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=jax.devices()[:needed])
 
 
-def accelerator_estimate(cfg: config.Config,
-                         mesh) -> tuple[list[tuple[str, int]], train.State, list[str], jax.ShapeDtypeStruct]:
-    """training_io's memory estimate per device of a GPU or TPU (its terms), from shapes alone
-    (no compilation), with the abstract state, layer residuals and logits it came from."""
+def accelerator_estimate(cfg: config.Config, mesh) -> tuple[list[tuple[str, int]], train.State, memory.LayerMemory]:
+    """memory.py's estimate per device of a GPU or TPU (its terms), from shapes alone (no
+    compilation), with the abstract state and the account of one layer it came from."""
     with jax.set_mesh(mesh):
         state = abstract_state(cfg, mesh)
-        residuals, logits = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model))
-    terms, _ = memory.memory_estimate(state, cfg.model.layers, residuals, logits, train.MUON)
-    return terms, state, residuals, logits
+        layer = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward)
+    terms, _ = memory.memory_estimate(state, layer, train.MUON)
+    return terms, state, layer
 
 
 def measure(name: str, overrides: list[str], report: bool, communication_report: bool = False) -> dict:
     cfg = config.load_config(name, overrides + ["+paths.model_name=memory"])
-    config.validate_config(cfg, cfg.mesh.d * cfg.mesh.t * cfg.mesh.c, max_token_id=0)
+    validate_config(cfg, cfg.mesh.d * cfg.mesh.t * cfg.mesh.c, max_token_id=0, weights=train.Model)
     mesh = config_mesh(cfg)
-    terms, state, residuals, logits = accelerator_estimate(cfg, mesh)
+    terms, state, layer = accelerator_estimate(cfg, mesh)
     with jax.set_mesh(mesh):
-        compiled = training_io.compile_step(train.training_step, cfg, state, mesh)
+        compiled = compile_step(train.training_step, cfg, state, mesh)
     if report:
         title = (f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}, "
                  f"compiled for {jax.devices()[0].device_kind}")
-        print(memory.memory_report(compiled, state, cfg.model.layers, residuals, logits, train.MUON, title)[0])
+        print(memory.memory_report(compiled, state, layer, train.MUON, title)[0])
     if communication_report:
         collectives = communication.step_collectives(compiled.as_text())
         print(communication.report(f"{name}, mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", collectives))

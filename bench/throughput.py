@@ -15,7 +15,7 @@ left for is a "not run" row. The table is printed last, on stdout, as Markdown; 
 stderr. The exit status is 0 whenever the table is printed: the rows carry each outcome.
 
 MFU is model FLOPs/s (train.model_flops_per_token) over the peak bf16 rate of the devices
-(training_io.peak_flops: a table of accelerators; on CPU the measured bf16->f32 matmul rate of
+(hardware.peak_flops: a table of accelerators; on CPU the measured bf16->f32 matmul rate of
 the whole machine). Peak memory per device is measured where the backend counts it (GPU, TPU:
 the largest `peak_bytes_in_use` of device.memory_stats(), "measured") and otherwise (CPU) is
 XLA's memory_analysis() of the compiled step ("XLA estimate"). Batches are random tokens.

@@ -18,9 +18,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import sys
-import threading
 import time
 import uuid
 import warnings
@@ -35,7 +32,6 @@ from jax.experimental import multihost_utils
 
 from seqax import sharded_zarr
 from seqax.config import CheckpointConfig, CheckpointError, ConfigError
-from seqax.multihost import console_name
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^\d{10}$")
@@ -406,8 +402,8 @@ class Checkpointer:
         if missing or (extra and not subset):
             what = f"arrays missing {missing}, unexpected {extra}"
             raise StateMismatch(f"checkpoint {path} does not hold this state: {what}; "
-                                "restore with the model and the optimizers (train.MUON's weights) it was written with, "
-                                "or use a new paths.model_name", what)
+                                "it was written by another model or optimizer (the arrays its state holds); restore "
+                                "with the code and config it was written with, or use a new paths.model_name", what)
         arrays = {}
         # absent in old checkpoints
         recorded_shapes, recorded_dtypes = attributes.get("array_shapes"), attributes.get("array_dtypes")
@@ -476,35 +472,3 @@ class Checkpointer:
 
         return [jax.make_array_from_callback(t.shape, sharding, partial(block, name, t.shape))
                 for name, t, sharding in zip(names, targets, shardings)]
-
-
-class PreemptionWatch:
-    """SIGTERM, the usual preemption notice, asks the loop to checkpoint and exit. With one
-    process a handler sets a flag; with several, JAX's preemption service (which catches
-    SIGTERM itself) picks a step at which every process answers True."""
-
-    def __enter__(self):
-        self.requested = False
-        self.previous = None
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-        return self
-
-    def _on_sigterm(self, signum, frame):
-        self.requested = True  # only a flag: the loop may be anywhere, even inside a print
-
-    def reached(self, step: int) -> bool:
-        """Whether the run stops after `step`: then the loop saves checkpoint step + 1 and exits, and
-        this prints the line that says so."""
-        if jax.process_count() > 1:
-            preempted = multihost_utils.reached_preemption_sync_point(step)
-        else:
-            preempted = self.requested
-        if preempted:
-            print(f"{console_name()}: preempted: checkpoint {step + 1} is being written; exiting", file=sys.stderr,
-                  flush=True)
-        return preempted
-
-    def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)

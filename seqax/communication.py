@@ -15,25 +15,12 @@ import collections
 import dataclasses
 import re
 
-from seqax import hlo
+from seqax import hardware, hlo
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 # How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their
 # uint16 bits (XLA:CPU would widen a bfloat16 collective to float32).
 SHOWN_DTYPE = {"u16": "bf16 (as u16 bits)"}
-
-# Per-device link bandwidth, one direction, bytes/s: what a device can send while all send.
-LINK_BANDWIDTH = [
-    # NVIDIA H100/H200 SXM: NVLink 4, 18 links x 25 GB/s per direction = 450 GB/s (900 GB/s both ways).
-    ("NVLink 4 (H100/H200 SXM, within a node)", 450e9),
-    # NVIDIA A100 SXM: NVLink 3, 12 links x 25 GB/s per direction = 300 GB/s.
-    ("NVLink 3 (A100 SXM, within a node)", 300e9),
-    # One 400 Gb/s InfiniBand NDR adapter per GPU (DGX H100): 50 GB/s per direction.
-    ("InfiniBand NDR 400 Gb/s per GPU (between nodes)", 50e9),
-    # Google Cloud TPU v5p: ICI 4,800 Gbps per chip (both ways, all links) = 300 GB/s per direction.
-    ("TPU v5p ICI", 300e9),
-]
-
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
@@ -122,5 +109,5 @@ def report(title: str, collectives: list[Collective]) -> str:
     lines.append(f"  {'total':<54} {total / MiB:26.3f} MiB")
     lines += ["", "Time to send the total at a link's bandwidth per device (no overlap with compute assumed):"]
     lines += [f"  {name:<52} {bandwidth / 1e9:6.0f} GB/s  {total / bandwidth * 1e3:9.3f} ms"
-              for name, bandwidth in LINK_BANDWIDTH]
+              for name, bandwidth in hardware.LINK_BANDWIDTH]
     return "\n".join(lines) + "\n"

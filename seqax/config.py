@@ -60,6 +60,12 @@ class ModelConfig:
     attention_block: int  # positions per attention block; divides training.tokens.len (speed and memory, not the math)
 
 
+# The model's dimensions (train.py's legend) and the keys of the `model:` section that size them:
+# validation.py and memory.py read a dimension's size through this table.
+MODEL_DIMENSIONS = {"M": "d_model", "Q": "n_q_per_kv", "K": "n_kv", "D": "d_head", "F": "d_ff", "V": "vocab",
+                    "layers": "layers"}
+
+
 @dataclasses.dataclass(frozen=True)
 class TokensConfig:
     batch: int  # B, sequences per step (global)
@@ -135,7 +141,7 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    """The `logging:` section: where a run reports besides its run directory (training_io.py)."""
+    """The `logging:` section: where a run reports besides its run directory (records.py)."""
 
     wandb_project: str  # "": no Weights & Biases; else the W&B project that gets metrics.jsonl's values and the config
     wandb_entity: str  # the W&B user or team of the project ("": your default entity)
@@ -160,7 +166,7 @@ class Config:
     eval_interval: int  # steps between validation losses (0: only after the last step)
     eval_batches: int  # validation batches 0..eval_batches-1 make eval_loss (0: no evaluation)
     distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
-    logging: LoggingConfig  # optional reporting to Weights & Biases (training_io.py, docs/observability.md)
+    logging: LoggingConfig  # optional reporting to Weights & Biases (records.py, docs/observability.md)
     evaluation: EvaluationConfig = EvaluationConfig()  # multiple-choice tasks (evaluation.py); none by default
 
 
@@ -209,101 +215,6 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def load_config(name: str, overrides: list[str]) -> Config:
     """configs/<name>.yaml with command-line style overrides, as `python -m train` sees it."""
-    with hydra.initialize_config_dir(config_dir=CONFIGS,
-                                     version_base=None):
+    with hydra.initialize_config_dir(config_dir=CONFIGS, version_base=None):
         cfg = hydra.compose(config_name=name, overrides=overrides)
     return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
-
-
-def mesh_misfit(m: ModelConfig, d: int, t: int, c: int = 1) -> str | None:
-    """The first weight dimension that a (d, t, c) mesh does not split evenly, as 'model.KEY=N is
-    not divisible by mesh.AXIS=N', or None when every sharded dimension divides. The rule of
-    the weights' annotations in train.py (M over d and c; heads, d_ff and vocabulary over t)."""
-    dc = ("d", d) if c == 1 else ("d x mesh.c", d * c)
-    for key, value, (axis, size) in (("d_model", m.d_model, dc), ("n_kv", m.n_kv, ("t", t)), ("d_ff", m.d_ff, ("t", t)),
-                                     ("vocab", m.vocab, ("t", t))):
-        if value % size:
-            return f"model.{key}={value} is not divisible by mesh.{axis}={size}"
-    return None
-
-
-def check_attention_blocks(h: ModelConfig, length: int, c: int = 1):
-    """The attention kernel works on whole blocks, each a contiguous run of a row's positions:
-    model.attention_block must divide the length, and with mesh.c > 1 each of the 2c chunks of
-    the row that data_loader.zigzag_chunks deals out."""
-    if h.attention_block < 1 or length % h.attention_block:
-        raise ConfigError(f"model.attention_block={h.attention_block} must divide training.tokens.len={length}")
-    if c > 1 and length % (2 * c * h.attention_block):
-        raise ConfigError(f"training.tokens.len={length} must be a multiple of 2 x mesh.c x model.attention_block = "
-                          f"{2 * c * h.attention_block}: with mesh.c={c} each device holds 2 chunks of a row, each of "
-                          "whole blocks; lower model.attention_block or change the length")
-
-
-def validate_config(cfg: Config, n_devices: int, max_token_id: int):
-    """Every mismatch between config, devices and data, found before any compilation."""
-    m, d, t, c = cfg.model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
-    if d < 1 or t < 1 or c < 1 or d * t * c != n_devices:
-        shown, keys = ((f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1
-                       else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c"))
-        raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; "
-                          f"choose {keys} whose product is {n_devices}")
-    for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("d_ff", m.d_ff), ("vocab", m.vocab)):
-        if value <= 0:
-            raise ConfigError(f"model.{key}={value} must be positive")
-    misfit = mesh_misfit(m, d, t, c)
-    if misfit:
-        raise ConfigError(f"{misfit}; make it a multiple of the mesh axis, or change the mesh")
-    if cfg.training.tokens.batch <= 0 or cfg.training.tokens.batch % d:
-        raise ConfigError(f"training.tokens.batch={cfg.training.tokens.batch} is not divisible by mesh.d={d}; "
-                          f"make it a positive multiple of {d}")
-    check_attention_blocks(m, cfg.training.tokens.len, c)
-    if m.d_head % 2:
-        raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")
-    if m.vocab <= max_token_id:
-        raise ConfigError(f"model.vocab={m.vocab} is too small for the dataset's max_token_id {max_token_id}; "
-                          f"set model.vocab to at least {max_token_id + 1}")
-    if cfg.training.steps < 1 or cfg.training.warmup_steps < 0 or cfg.training.tokens.len < 1:
-        raise ConfigError("training.steps and training.tokens.len must be positive and "
-                          "training.warmup_steps not negative")
-    if cfg.checkpoint_interval < 0:
-        raise ConfigError(f"checkpoint_interval={cfg.checkpoint_interval} must be 0 (save only at the end and on "
-                          "SIGTERM) or a positive step count")
-    if cfg.eval_interval < 0 or cfg.eval_batches < 0:
-        raise ConfigError(f"eval_interval={cfg.eval_interval} and eval_batches={cfg.eval_batches} must not be negative "
-                          "(eval_batches=0 turns evaluation off)")
-    check_values(cfg)
-
-
-LEVELS = {"zstd": (1, 22), "blosc": (0, 9)}
-
-
-def check_values(cfg: Config):
-    """The numbers that only the devices' math would otherwise reject, late or silently."""
-    m, tr = cfg.model, cfg.training
-    for key, value in (("layers", m.layers), ("d_head", m.d_head), ("n_q_per_kv", m.n_q_per_kv)):
-        if value <= 0:
-            raise ConfigError(f"model.{key}={value} must be positive; set it to 1 or more")
-    if tr.learning_rate < 0:
-        raise ConfigError(f"training.learning_rate={tr.learning_rate} must not be negative")
-    for key, value in (("adam_b1", tr.adam_b1), ("adam_b2", tr.adam_b2)):
-        if not 0 <= value < 1:
-            raise ConfigError(f"training.{key}={value} must be in [0, 1) (typical: 0.9 and 0.95)")
-    if not tr.adam_eps > 0:
-        raise ConfigError(f"training.adam_eps={tr.adam_eps} must be positive (typical: 1e-8)")
-    for key in ("weight_decay", "muon_weight_decay", "muon_learning_rate"):
-        if getattr(tr, key) < 0:
-            raise ConfigError(f"training.{key}={getattr(tr, key)} must not be negative (0 turns it off)")
-    if not 0 <= tr.muon_momentum < 1:
-        raise ConfigError(f"training.muon_momentum={tr.muon_momentum} must be in [0, 1) (typical: 0.95)")
-    if not tr.grad_clip > 0:
-        raise ConfigError(f"training.grad_clip={tr.grad_clip} must be positive (typical: 1.0)")
-    if not 0 <= tr.final_learning_rate_fraction <= 1:
-        raise ConfigError(f"training.final_learning_rate_fraction={tr.final_learning_rate_fraction} must be in [0, 1]")
-    name = cfg.paths.model_name
-    if not name or "/" in name or name in (".", ".."):
-        raise ConfigError(f"paths.model_name={name!r} must be a plain directory name (not empty, no '/' or '..'); "
-                          "set +paths.model_name=RUN")
-    c = cfg.checkpoints
-    if c.compression in LEVELS and not LEVELS[c.compression][0] <= c.level <= LEVELS[c.compression][1]:
-        low, high = LEVELS[c.compression]
-        raise ConfigError(f"checkpoints.level={c.level} is out of range for {c.compression}; choose {low}..{high}")

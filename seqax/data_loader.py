@@ -34,14 +34,11 @@ import math
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from seqax.config import DatasetConfig, DatasetError
 from seqax.flat_tokens import FlatTokens
-from seqax.shardlib.shardops import all_gather, axis_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,28 +249,6 @@ def zigzag_chunks(length: int, c: int) -> list[tuple[int, int]]:
 def zigzag_order(length: int, c: int) -> np.ndarray:
     """The row position held at each place of the laid-out row: [length] int."""
     return np.concatenate([np.arange(start, stop) for start, stop in zigzag_chunks(length, c)])
-
-
-# Inside the training step (shard_map), a token's input, document start and position depend on
-# the tokens before it, which may be on other devices: these two go to whole rows and back (an
-# all-gather over c of a few bytes a token; with c = 1 both are the identity).
-
-
-def whole_rows(x):
-    """[B/d, L/c] (this device's chunks, in the order of zigzag_chunks) -> [B/d, L], the rows in order."""
-    c = axis_size("c")
-    chunks = zigzag_chunks(x.shape[1] * c, c)
-    laid_out = all_gather("B/d L/c -> B/d L", x)
-    offsets = [sum(stop - start for start, stop in chunks[:i]) for i in range(len(chunks))]
-    pieces = [laid_out[:, o : o + stop - start] for (start, stop), o in sorted(zip(chunks, offsets))]
-    return jnp.concatenate(pieces, axis=1)
-
-
-def this_devices_chunks(x):
-    """[B/d, L] whole rows -> [B/d, L/c], the chunks this device holds."""
-    c = axis_size("c")
-    laid_out = jnp.concatenate([x[:, start:stop] for start, stop in zigzag_chunks(x.shape[1], c)], axis=1)
-    return lax.dynamic_slice_in_dim(laid_out, lax.axis_index("c") * (x.shape[1] // c), x.shape[1] // c, axis=1)
 
 
 # ---------------------------------------------------------------------------------------------

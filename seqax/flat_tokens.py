@@ -16,7 +16,6 @@ import dataclasses
 import errno
 import os
 import shutil
-import sys
 import uuid
 
 import google_crc32c
@@ -24,6 +23,7 @@ import numpy as np
 import zarr
 
 from seqax.config import DatasetError
+from seqax.console import warn
 
 FORMAT = "flat-tokens/1"
 SPLITS = ("train", "validation")
@@ -151,8 +151,7 @@ def open_flat_tokens(path: str, check_seq_starts: bool = True) -> FlatTokens:
         split = Split(sub["encoded_tokens"], sub["seq_starts"], os.path.join(path, name))
         if not all(STORED_BYTES in getattr(split, array).attrs for array in ARRAYS) and path not in _WARNED:
             _WARNED.add(path)
-            print(f"seqax: warning: dataset {path!r} has no checksums (written before they were added); "
-                  "write it again to check it", file=sys.stderr)
+            warn(f"dataset {path!r} has no checksums (written before they were added); write it again to check it")
         split.check_files()
         if check_seq_starts:
             _check_seq_starts(path, name, split)

@@ -1,6 +1,6 @@
 """Memory per device of the training step: an estimate from the code's own annotations (the
 shardings in the types, the values marked save_for_backward) next to XLA's memory_analysis() of
-the compiled step. training_io prints and writes it as memory_report.txt; bench/memory.py sizes
+the compiled step. startup_report.py prints and writes it as memory_report.txt; bench/memory.py sizes
 configs with it ahead of time.
 """
 
@@ -10,6 +10,7 @@ import inspect
 import io
 import math
 import re
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,9 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import NamedSharding, PartitionSpec
 
 from seqax import hlo
-from seqax.config import ConfigError
+from seqax.config import MODEL_DIMENSIONS, ConfigError
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing
-from seqax.shardlib.shardtypes import make_partition_specs
+from seqax.shardlib.shardtypes import ArrayType, Stacked, make_partition_specs
 
 MiB = 2**20
 
@@ -61,40 +62,97 @@ def saved_residuals(f, *args) -> list[str]:
 _RESIDUAL = re.compile(r"^(\w+)\[([\d,]*)\]")
 
 
-def memory_annotations(cfg, mesh, state, layer) -> tuple[list[str], jax.ShapeDtypeStruct]:
+def dimension_sizes(cfg) -> dict[str, int]:
+    """The global size of each dimension name that the annotations use: the model's (the keys of
+    config.MODEL_DIMENSIONS), the batch's B and L (S for keys), and R, RoPE's D / 2 frequencies."""
+    sizes = {name: getattr(cfg.model, key) for name, key in MODEL_DIMENSIONS.items()}
+    return {**sizes, "B": cfg.training.tokens.batch, "L": cfg.training.tokens.len, "S": cfg.training.tokens.len,
+            "R": cfg.model.d_head // 2}
+
+
+def annotated(annotation: ArrayType, sizes: dict[str, int], mesh) -> jax.ShapeDtypeStruct:
+    """An abstract global array of the annotation's dtype, dimension sizes and sharding on `mesh`."""
+    shape = tuple(int(d.name) if d.name.isdecimal() else sizes[d.name] for d in annotation.dims)
+    return jax.ShapeDtypeStruct(shape, annotation.dtype, sharding=NamedSharding(mesh, make_partition_specs(annotation)))
+
+
+def stacked_layers(weights) -> tuple[str, typing.Any]:
+    """(field name, stacked weights) of the weights' field annotated Array[b'layers', ...]: the
+    layers that the step's scan runs one at a time."""
+    for f in dataclasses.fields(weights):
+        if isinstance(f.type, Stacked) and [d.name for d in f.type.dims] == ["layers"]:
+            return f.name, getattr(weights, f.name)
+    raise ValueError(f"{type(weights).__name__} has no field annotated Array[b'layers', ...]")
+
+
+@dataclasses.dataclass
+class LayerMemory:
+    """What the estimate needs besides the state, per device."""
+
+    saved: list[str]  # print_saved_residuals lines of one layer (see layer_saved_values)
+    logits: jax.ShapeDtypeStruct  # one device's logits
+    ring_bytes: int  # the largest set of blocks one ring step sends and receives (0 without mesh.c > 1)
+
+
+def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     """For the memory report, per device: what one transformer layer keeps for its backward pass
     (print_saved_residuals lines: its input x, its weights and every value marked with
-    save_for_backward, or save_in_forward_rule inside attention's custom VJP) and the
-    float32 logits (B/d L/c V/t). `layer(x, w, doc_start, sin, cos, row_position)` is the layer as
-    the step's scan runs it (train.training_layer with the model config bound), whose annotations
-    give the shardings of x [B, L, M], doc_start [B, L], RoPE's sin and cos [B, L, D/2] and
-    row_position [L];
-    `state` gives the stacked layer weights (arrays or ShapeDtypeStructs)."""
-    B, L, M, d, t, c = (cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.d_model,
-                        cfg.mesh.d, cfg.mesh.t, cfg.mesh.c)
-    lines = []
+    save_for_backward, or save_in_forward_rule inside attention's custom VJP), what its ring
+    attention has in flight, and the logits. `layer` is the layer as the step's scan runs it
+    (train.training_layer with the model config bound): every argument's shape and sharding come
+    from its annotation, the weights' from `state` (arrays or ShapeDtypeStructs); the logits' from
+    the return annotation of `forward` (train.forward)."""
+    sizes = dimension_sizes(cfg)
+    _, stacked = stacked_layers(state.weights)
 
     def one_layer(w):  # the stacked weights without their leading `layers` axis
         return jax.ShapeDtypeStruct(w.shape[1:], w.dtype,
                                     sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
 
-    parameters = inspect.signature(layer).parameters
-    def annotated(name, shape, dtype):  # noqa: E306
-        return jax.ShapeDtypeStruct(shape, dtype,
-                                    sharding=NamedSharding(mesh, make_partition_specs(parameters[name].annotation)))
-
-    w = jax.tree.map(one_layer, state.weights.layers)
-    rotation = [annotated(name, (B, L, cfg.model.d_head // 2), jnp.float32) for name in ("sin", "cos")]
-    args = (annotated("x", (B, L, M), jnp.float32), w, annotated("doc_start", (B, L), jnp.uint32), *rotation,
-            annotated("row_position", (L,), jnp.uint32))
+    args = tuple(jax.tree.map(one_layer, stacked) if not isinstance(p.annotation, ArrayType)
+            else annotated(p.annotation, sizes, mesh) for p in inspect.signature(layer).parameters.values())
+    lines, ring = [], []
 
     def probe(*args):  # inside shard_map, so that the shapes are per device
-        lines.extend(saved_residuals(explicit_activation_checkpointing(layer), *args))
+        checkpointed = explicit_activation_checkpointing(layer)
+        lines.extend(saved_residuals(checkpointed, *args))
+        out, pullback = jax.vjp(checkpointed, *args)
+        ring.append(2 * largest_ring_step(jax.make_jaxpr(pullback)(out).jaxpr))  # sent and received
         return jnp.zeros(())
 
     specs = jax.tree.map(lambda a: a.sharding.spec, args)
     jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
-    return lines, jax.ShapeDtypeStruct((B // d, L // c, cfg.model.vocab // t), jnp.float32)
+    logits = annotated(inspect.signature(forward).return_annotation, sizes, mesh)
+    return LayerMemory(lines, jax.ShapeDtypeStruct(logits.sharding.shard_shape(logits.shape), logits.dtype), ring[0])
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, list | tuple) else (value,):
+            inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr holds its Jaxpr
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def largest_ring_step(jaxpr) -> int:
+    """Bytes that the busiest loop iteration of `jaxpr` passes to a ring neighbour (the operands of
+    its ppermutes, shardops.ring_pass, also inside the calls it makes): what one ring step holds in
+    flight, read from the code (ring attention's backward passes k, v and their gradients)."""
+
+    def passed(jaxpr) -> tuple[int, int]:  # (bytes passed outside loops, the most one loop iteration passes)
+        here = sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize
+                   for eqn in jaxpr.eqns if eqn.primitive.name == "ppermute" for v in eqn.invars)
+        busiest = 0
+        for eqn in jaxpr.eqns:
+            for inner in _subjaxprs(eqn):
+                inner_here, inner_busiest = passed(inner)
+                if eqn.primitive.name in ("scan", "while"):  # one iteration of this loop
+                    busiest = max(busiest, inner_here, inner_busiest)
+                else:
+                    here, busiest = here + inner_here, max(busiest, inner_busiest)
+        return here, busiest
+
+    return max(passed(jaxpr))
 
 
 def residual_size(line: str) -> tuple[str, int]:
@@ -133,23 +191,23 @@ def muon_bytes(layer_weights, muon: dict) -> int:
     return largest
 
 
-def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
-                    muon: dict) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
+def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[str, int]], list[tuple[str, int, str]]]:
     """The terms of the memory estimate per device, (name, bytes), and what one layer saves.
 
     `state` has the weights and the optimizers' state (train.State) as arrays or
-    ShapeDtypeStructs with shardings; `layers` is how many layers are stacked; `layer_residuals`
-    are print_saved_residuals lines of one layer (see layer_saved_values); `logits` is a
-    ShapeDtypeStruct of one device's logits; `muon` is train.MUON (see muon_bytes). The same on
-    every platform: bf16 values are saved as their bits (jax_extra.save_for_backward), so
-    XLA:CPU keeps no f32 copies of them. Every term is added, although Muon's buffers exist only
-    once the backward pass has freed the saved activations: an estimate from above."""
+    ShapeDtypeStructs with shardings; `layer` is memory_annotations' account of one layer; `muon`
+    is train.MUON (see muon_bytes). The same on every platform: bf16 values are saved as their bits
+    (jax_extra.save_for_backward), so XLA:CPU keeps no f32 copies of them. Every term is added,
+    although Muon's buffers exist only once the backward pass has freed the saved activations: an
+    estimate from above."""
     weights = per_device_bytes(state.weights)
-    saved = layer_saved_values(layer_residuals)
+    name, stacked = stacked_layers(state.weights)
+    layers = jax.tree.leaves(stacked)[0].shape[0]
+    saved = layer_saved_values(layer.saved)
     saved_per_layer = sum(size for _, size, _ in saved)
-    outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != "layers"]
-    gathered = max(gathered_bytes(state.weights.layers) / layers, *(gathered_bytes(w) for w in outside_layers))
-    logits_bytes = math.prod(logits.shape) * jnp.dtype(logits.dtype).itemsize
+    outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != name]
+    gathered = max(gathered_bytes(stacked) / layers, *(gathered_bytes(w) for w in outside_layers))
+    logits_bytes = math.prod(layer.logits.shape) * jnp.dtype(layer.logits.dtype).itemsize
     terms = [
         ("weights (f32, sharded as annotated)", weights),
         ("optimizer state (f32: Muon's momentum, AdamW's mu and nu)",
@@ -162,16 +220,10 @@ def memory_estimate(state, layers: int, layer_residuals: list[str], logits,
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
         ("Muon: the largest weight's whole matrices here, Newton-Schulz's temporaries",
-         muon_bytes(state.weights.layers, muon)),
+         muon_bytes(stacked, muon)),
     ]
-    # Ring attention (mesh.c > 1) holds, besides a layer's own k and v, the arriving shard of
-    # them (bf16) and, in the backward pass, the f32 gradients of the held shard travelling on
-    # and of the arriving one: 2 + 2 x 4 bytes per element of k and of v, for one layer at a time.
-    w_k = state.weights.layers.w_k  # [layers, M, K, D] split as M/d/c K/t
-    kv_elements = math.prod(logits.shape[:2]) * math.prod(w_k.sharding.shard_shape(w_k.shape)[2:])  # B/d L/c x K/t D
-    if w_k.sharding.mesh.shape.get("c", 1) > 1:
-        terms.append(("ring attention: a shard of k and v in flight (bf16), and their f32 gradients",
-                      2 * kv_elements * (2 + 2 * 4)))
+    if layer.ring_bytes:  # ring attention (mesh.c > 1): a step's blocks in flight, one layer at a time
+        terms.append(("ring attention: the blocks one ring step sends and receives", layer.ring_bytes))
     return terms, saved
 
 
@@ -184,11 +236,10 @@ def compiled_peak_bytes(analysis) -> int:
     return max(allocated, getattr(analysis, "peak_memory_in_bytes", 0))
 
 
-def memory_report(compiled, state, layers: int, layer_residuals: list[str], logits, muon: dict,
-                  title: str) -> tuple[str, float, float]:
+def memory_report(compiled, state, layer: LayerMemory, muon: dict, title: str) -> tuple[str, float, float]:
     """The memory report (text), the estimate and XLA's peak, in bytes per device: the terms of
     memory_estimate() next to compiled.memory_analysis()."""
-    terms, saved = memory_estimate(state, layers, layer_residuals, logits, muon)
+    terms, saved = memory_estimate(state, layer, muon)
     estimate = sum(size for _, size in terms)
     lines = [f"Memory per device of the training step: {title}", "",
              "Estimate from the code's annotations (shardings of the types, save_for_backward):"]

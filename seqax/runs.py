@@ -1,6 +1,7 @@
 """Reading a run directory: its config.yaml, a mesh for the devices at hand, a checkpoint's
 weights. sample.py and tools/export_hf.py use it; it only reads (no lock, nothing written), so
-it may run beside the training run that writes the directory.
+it may run beside the training run that writes the directory. The model's weights are given by
+the caller (train.py's init_weights and Model), so that this module stays below train.py.
 """
 
 import dataclasses
@@ -9,10 +10,11 @@ import os
 import jax
 from omegaconf import OmegaConf
 
-import train
 from seqax.checkpoint import Checkpointer
-from seqax.config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict, mesh_misfit
+from seqax.config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict
+from seqax.multihost import make_mesh
 from seqax.shardlib.shardtypes import make_shardings
+from seqax.validation import mesh_misfit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,36 +48,39 @@ def load_run_config(run_dir: str) -> RunConfig:
     return RunConfig(model, checkpoints, dataset_path, seq_len, int((cfg.get("mesh") or {}).get("c", 1)))
 
 
-def default_mesh_shape(h: ModelConfig, devices: int) -> tuple[int, int]:
-    """(d, t): the most tensor parallelism that the weights allow on this many devices (the
-    rule of config.mesh_misfit); (devices, 1) when none does."""
-    fitting = [t for t in range(1, devices + 1) if devices % t == 0 and mesh_misfit(h, devices // t, t) is None]
+def default_mesh_shape(h: ModelConfig, weights, devices: int) -> tuple[int, int]:
+    """(d, t): the most tensor parallelism that the weights (annotated as `weights`, train.Model) allow
+    on this many devices; (devices, 1) when none does."""
+    fitting = [t for t in range(1, devices + 1)
+               if devices % t == 0 and mesh_misfit(h, weights, devices // t, t) is None]
     t = max(fitting, default=1)
     return devices // t, t
 
 
-def run_mesh(h: ModelConfig, d: int | None, t: int | None) -> jax.sharding.Mesh:
-    """The mesh of all devices for reading the run's weights: (d, t) as given (--mesh-d and
-    --mesh-t), or default_mesh_shape's when either is None."""
+def run_mesh(h: ModelConfig, weights, d: int | None, t: int | None) -> jax.sharding.Mesh:
+    """The mesh of all devices for reading the run's weights (annotated as `weights`, train.Model):
+    (d, t) as given (--mesh-d and --mesh-t), or default_mesh_shape's when either is None."""
     n = jax.device_count()
     if d is None or t is None:
-        d, t = default_mesh_shape(h, n)
+        d, t = default_mesh_shape(h, weights, n)
     if d * t != n:
         raise ConfigError(f"--mesh-d {d} x --mesh-t {t} must equal the {n} devices")
-    misfit = mesh_misfit(h, d, t)
+    misfit = mesh_misfit(h, weights, d, t)
     if misfit:
         raise ConfigError(f"{misfit}; choose --mesh-d/--mesh-t that divide it")
-    return train.make_mesh(d, t)
+    return make_mesh(d, t)
 
 
-def load_weights(run_dir: str, run: RunConfig, mesh, step: int | None = None) -> tuple[int, train.Model]:
-    """The weights of checkpoint `step` (default: the newest committed one), read only."""
+def load_weights(run_dir: str, run: RunConfig, mesh, init_weights, weights, step: int | None = None):
+    """(step, weights) of checkpoint `step` (default: the newest committed one), read only, placed on
+    `mesh`: `init_weights(model config, key)` gives the weights' shapes (train.init_weights, only
+    traced) and `weights` their annotation (train.Model)."""
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), run.checkpoints)
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
             raise ConfigError(f"{run_dir}/checkpoints holds no committed checkpoint")
-        shapes = {"weights": jax.eval_shape(lambda: train.init_weights(run.model, jax.random.key(0)))}
-        return step, checkpointer.read(step, shapes, {"weights": make_shardings(train.Model, mesh)})["weights"]
+        shapes = {"weights": jax.eval_shape(lambda: init_weights(run.model, jax.random.key(0)))}
+        return step, checkpointer.read(step, shapes, {"weights": make_shardings(weights, mesh)})["weights"]
     finally:
         checkpointer.close()

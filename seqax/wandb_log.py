@@ -1,5 +1,5 @@
 """Weights & Biases for a run, when `logging.wandb_project` is set: the values of every line
-training_io.RunLog writes to metrics.jsonl (step lines and eval lines), at that line's step as
+records.RunRecords writes to metrics.jsonl (step lines and eval lines), at that line's step as
 the W&B step, and the run's resolved config. wandb is imported only then.
 
 One W&B run per run directory: its id is drawn at the first start and kept in the run

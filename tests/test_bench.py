@@ -17,6 +17,7 @@ import pytest
 import train
 from bench import compare_commits, measure_step, memory, throughput
 from seqax import config
+from seqax.validation import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LADDER = ["gpu1_125m", "gpu1_350m", "gpu1_1b", "gpu1_2b", "gpu8_125m", "gpu8_350m", "gpu8_1b", "gpu8_2b", "tpu8_1b"]
@@ -172,7 +173,7 @@ def test_throughput_rejects_an_override_among_config_names():
 def test_ladder_config_is_valid_and_the_size_its_name_says(name):
     cfg = config.load_config(name, ["+paths.model_name=check"])
     n_devices = cfg.mesh.d * cfg.mesh.t
-    config.validate_config(cfg, n_devices, max_token_id=32766)  # a 32,767-token tokenizer, ids stored +1
+    validate_config(cfg, n_devices, max_token_id=32766, weights=train.Model)  # a 32,767-token tokenizer, ids stored +1
     assert cfg.model.vocab == 32768 and cfg.model.attention_block == 512 and cfg.training.tokens.len == 2048
     size = name.split("_")[1]
     mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, devices=jax.devices()[:n_devices])

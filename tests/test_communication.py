@@ -9,8 +9,9 @@ import pytest
 
 import train
 from fixtures import abstract_state, make_mesh
-from seqax import communication, training_io
+from seqax import communication
 from seqax.config import load_config
+from seqax.startup_report import compile_step
 
 
 def test_bytes_of_a_ring_collective():
@@ -38,7 +39,7 @@ def compiled_hlo(d: int, t: int, c: int = 1) -> tuple:
     mesh = make_mesh(d, t, c)
     with jax.set_mesh(mesh):
         state = abstract_state(cfg, mesh)
-        return cfg, state, training_io.compile_step(train.training_step, cfg, state, mesh).as_text()
+        return cfg, state, compile_step(train.training_step, cfg, state, mesh).as_text()
 
 
 def splits(x, axes) -> int:

@@ -15,10 +15,11 @@ import train
 from fixtures import abstract_state, make_mesh, tiny_config
 from seqax import attention, memory
 from seqax.checkpoint import Checkpointer
-from seqax.config import ConfigError, validate_config
+from seqax.config import ConfigError
 from seqax.data_loader import make_loader, zigzag_chunks, zigzag_order
 from seqax.flat_tokens import open_flat_tokens
 from seqax.shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
+from seqax.validation import validate_config
 
 B, L, Q, K, D = 2, 64, 2, 2, 8
 
@@ -119,7 +120,7 @@ def test_the_loader_hands_each_device_its_two_chunks(default_dataset):
 ])
 def test_a_mesh_that_does_not_fit_stops_with_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        validate_config(tiny_config(*overrides), 8, 255)
+        validate_config(tiny_config(*overrides), 8, 255, train.Model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,10 +216,13 @@ def test_the_memory_reports_activations_fall_as_one_over_c():
                                 f"mesh.c={c}"), make_mesh(1, 1, c)
         with jax.set_mesh(mesh):
             state = abstract_state(cfg, mesh)
-            terms, _ = memory.memory_estimate(state, cfg.model.layers, *memory.memory_annotations(
-                cfg, mesh, state, partial(train.training_layer, cfg.model)), train.MUON)
+            layer = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward)
+            terms, _ = memory.memory_estimate(state, layer, train.MUON)
         activations[c] = sum(size for name, size in terms if name.startswith(("saved for backward", "logits")))
         ring[c] = sum(size for name, size in terms if name.startswith("ring attention"))
     assert activations[1] == 2 * activations[2] == 4 * activations[4]
-    kv_elements = 8 * 64 // 2 * cfg.model.n_kv * cfg.model.d_head  # B x L/c x K x D at c = 2
-    assert ring == {1: 0, 2: 2 * kv_elements * 10, 4: kv_elements * 10}
+    # A backward ring step passes on k and v (bf16), their f32 gradients and the shard's document
+    # starts and row positions (u32), and receives as much: twice those bytes.
+    B, K, D = 8, cfg.model.n_kv, cfg.model.d_head
+    step_bytes = {c: 64 // c * (B * K * D * (2 + 2 + 4 + 4) + (B + 1) * 4) for c in (2, 4)}
+    assert ring == {1: 0, 2: 2 * step_bytes[2], 4: 2 * step_bytes[4]}

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import train
 from fixtures import make_mesh, reference_config, run_train, synthetic_dataset, tiny_config, tiny_overrides, train_args
 from reference import loss as reference_loss
 from reference import weights_to_dicts
@@ -59,7 +60,8 @@ def test_eval_loss_steps_restart_mesh_and_reference(dataset, tmp_path):
     # The final weights' eval_loss is the mean loss of validation batches 0 and 1, by the reference.
     cfg8 = tiny_config(f"dataset.path={dataset}", *overrides(8, 1))
     mesh = make_mesh(8, 1)
-    step, weights = runs.load_weights(str(run_dir), runs.load_run_config(str(run_dir)), mesh)
+    step, weights = runs.load_weights(str(run_dir), runs.load_run_config(str(run_dir)), mesh,
+                                    train.init_weights, train.Model)
     assert step == 6
     loader = make_loader(cfg8.dataset, open_flat_tokens(dataset), "validation", cfg8.training.tokens.batch,
                          cfg8.training.tokens.len, mesh)

@@ -139,7 +139,8 @@ def test_the_loops_accuracy_agrees_with_lm_eval_on_the_export(tmp_path):
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
     with jax.set_mesh(mesh):
         ours_task = evaluation.load_task(task, ByteTokenizer(), cfg, mesh)
-        _, weights = runs.load_weights(run_dir, runs.load_run_config(run_dir), mesh)
+        _, weights = runs.load_weights(run_dir, runs.load_run_config(run_dir), mesh, train.init_weights,
+                                        train.Model)
         ours = evaluation.log_likelihoods(partial(train.eval_step, weights, cfg=cfg), ours_task, mesh)
     labels = np.array(ours_task.labels)
     picks = np.array([np.argmax(ll) for ll in ours])

@@ -104,7 +104,7 @@ def test_logits_and_greedy_generate_match_seqax(exported):
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     run = runs.load_run_config(run_dir)
     mesh = make_mesh(4, 2)
-    _, weights = runs.load_weights(run_dir, run, mesh)
+    _, weights = runs.load_weights(run_dir, run, mesh, train.init_weights, train.Model)
     logits_of = forward_logits(run.model)
     largest = dataset_tokenizer(data).vocab_size - 1
     worst = 0.0

@@ -14,10 +14,12 @@ import zarr
 
 import train
 from fixtures import abstract_state, make_mesh, snapshot, tiny_config
-from seqax import flat_tokens, memory, training_io
-from seqax.config import ConfigError, DatasetConfig, DatasetError, load_config, validate_config
+from seqax import flat_tokens, memory
+from seqax.config import ConfigError, DatasetConfig, DatasetError, load_config
 from seqax.data_loader import make_loader
 from seqax.flat_tokens import open_flat_tokens, write_flat_tokens
+from seqax.startup_report import compile_step
+from seqax.validation import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 256
@@ -204,12 +206,13 @@ def test_bad_values_are_one_line_with_the_remedy(override, message):
         overrides[0] = "+" + overrides[0]
     cfg = load_config("local_test_synthetic", overrides)
     with pytest.raises(ConfigError, match=message) as error:
-        validate_config(cfg, 8, max_token_id=10)
+        validate_config(cfg, 8, max_token_id=10, weights=train.Model)
     assert "\n" not in str(error.value)
 
 
 def test_good_values_pass():
-    validate_config(load_config("local_test_synthetic", ["+paths.model_name=run"]), 8, max_token_id=10)
+    validate_config(load_config("local_test_synthetic", ["+paths.model_name=run"]), 8, max_token_id=10,
+                    weights=train.Model)
 
 
 @pytest.mark.parametrize("where", ["equal", "inside"])
@@ -238,7 +241,7 @@ def test_a_step_that_cannot_fit_the_free_memory_is_one_line(monkeypatch):
     cfg = tiny_config()
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t)
     with jax.set_mesh(mesh):
-        compiled = training_io.compile_step(train.training_step, cfg, abstract_state(cfg, mesh), mesh)
+        compiled = compile_step(train.training_step, cfg, abstract_state(cfg, mesh), mesh)
     memory.check_step_fits(compiled, mesh)  # fits the real machine
     monkeypatch.setattr(memory, "free_memory", lambda device: 2**20)
     with pytest.raises(ConfigError, match=r"the training step needs [\d.]+ GiB per device beyond its state "

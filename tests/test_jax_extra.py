@@ -59,8 +59,8 @@ def test_transformer_layer_keeps_what_its_backward_pass_needs():
     Q, K, D, F = cfg.model.n_q_per_kv, cfg.model.n_kv // 2, cfg.model.d_head, cfg.model.d_ff // 2
     N = L // cfg.model.attention_block
     with jax.set_mesh(mesh):
-        lines, _ = memory.memory_annotations(cfg, mesh, abstract_state(cfg, mesh),
-                                             partial(train.training_layer, cfg.model))
+        layer = partial(train.training_layer, cfg.model)
+        lines = memory.memory_annotations(cfg, mesh, abstract_state(cfg, mesh), layer, train.forward).saved
     saved = [residual_shape(l) for l in lines if f"named '{SAVED_NAME}'" in l]
     others = [l for l in lines if f"named '{SAVED_NAME}'" not in l]
     assert all(re.search(r"from (the argument|a constant)", l) for l in others), others

@@ -1,20 +1,25 @@
-"""The dependency rules of DESIGN.md, read from the source: imports run one way, config.py is a
-leaf, nothing but tests imports sample.py, and train.py stays one readable file."""
+"""The layout's rules, read from the source: the machinery is the `seqax` package, train.py and
+sample.py sit at the root; imports run one way (config.py imports nothing of ours, the package never
+imports train.py, sample.py, tools or bench, and its modules import each other without a cycle);
+nothing but tests imports sample.py; nothing edits sys.path; train.py stays one readable file
+(docs/design.md)."""
 
 import ast
+import io
 import os
+import tokenize
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def our_modules() -> dict[str, str]:
-    """Module name -> path of every Python file of ours outside tests/ and .venv."""
+def our_modules(*, tests: bool = False) -> dict[str, str]:
+    """Module name -> path of every Python file of ours (outside tests/ unless `tests`, and .venv*)."""
     modules = {}
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs
-                   if not d.startswith(".") and d not in ("tests", "__pycache__", "runs", "outputs", "data")]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("__pycache__", "runs", "outputs", "data")
+                   and (tests or d != "tests")]
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
@@ -24,6 +29,7 @@ def our_modules() -> dict[str, str]:
 
 
 MODULES = our_modules()
+PACKAGE = sorted(m for m in MODULES if m == "seqax" or m.startswith("seqax."))
 
 
 def imports_of(path: str) -> set[str]:
@@ -38,31 +44,71 @@ def imports_of(path: str) -> set[str]:
     return found
 
 
+def lines_of_code(path: str) -> int:
+    """Lines of code as cloc counts them: lines holding a token that is neither a comment nor part
+    of a docstring (blank, comment-only and docstring lines do not count)."""
+    source = open(path).read()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            docstrings.update(range(node.lineno, node.end_lineno + 1))
+    skipped = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            code.update(n for n in range(token.start[0], token.end[0] + 1) if n not in docstrings)
+    return len(code)
+
+
 def test_the_module_list_is_real():
-    assert {"train", "seqax.config", "seqax.attention", "sample", "seqax.runs", "seqax.shardlib.shardops",
-            "tools.export_hf"} <= set(MODULES)
+    assert {"train", "sample", "seqax.config", "seqax.attention", "seqax.runs", "seqax.shardlib.shardops",
+            "tools.export_hf", "bench.measure_step"} <= set(MODULES)
+    assert not any(os.path.exists(os.path.join(ROOT, f"{name}.py")) for name in ("config", "memory", "runs"))
 
 
 def test_config_imports_no_module_of_ours():
     assert imports_of(MODULES["seqax.config"]) == set()
 
 
-def test_what_train_imports_does_not_import_train():
-    """The libraries under train.py (and what they import in turn) never reach back up to it."""
-    seen, todo = set(), sorted(imports_of(MODULES["train"]))
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        assert "train" not in imports_of(MODULES[module]), f"{module} imports train"
-        todo += sorted(imports_of(MODULES[module]))
-    assert "sample" not in seen
+@pytest.mark.parametrize("module", PACKAGE)
+def test_the_package_imports_nothing_above_it(module):
+    """The machinery sits below train.py: nothing in it reaches up to train.py, sample.py, tools or bench."""
+    above = {m for m in imports_of(MODULES[module]) if not m.startswith("seqax")}
+    assert not above, f"{module} imports {sorted(above)}"
+
+
+def test_the_package_has_no_import_cycle():
+    graph = {m: {i if i in PACKAGE else i.rsplit(".", 1)[0] for i in imports_of(MODULES[m])} & set(PACKAGE)
+             for m in PACKAGE}
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(module):] + [module])}")
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph[module] - {module}):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in PACKAGE:
+        visit(module)
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "sample"))
 def test_nothing_but_tests_imports_sample(module):
     assert "sample" not in imports_of(MODULES[module])
+
+
+@pytest.mark.parametrize("module", sorted(our_modules(tests=True)))
+def test_nothing_edits_sys_path(module):
+    """The package is installed in the venv (pip install -e .): no file of ours edits the import path."""
+    for node in ast.walk(ast.parse(open(our_modules(tests=True)[module]).read())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            assert not (node.value.attr == "path" and getattr(node.value.value, "id", None) == "sys"
+                        and node.attr in ("insert", "append", "extend", "remove")), f"{module} edits sys.path"
 
 
 def test_one_module_defines_the_attention_kernels_and_their_specification():
@@ -76,8 +122,15 @@ def test_one_module_defines_the_attention_kernels_and_their_specification():
                        "causal_document_mask": ["seqax.attention"]}
 
 
-def test_train_py_is_at_most_500_lines():
-    assert sum(1 for _ in open(MODULES["train"])) <= 500
+def test_lines_of_code_are_counted_as_cloc_counts_them(tmp_path):
+    path = tmp_path / "f.py"
+    path.write_text('"""A docstring\nof two lines."""\n\nimport os  # a comment\n# a comment line\n\n'
+                    'def f():\n    """One line."""\n    return (1,\n            2)\n')
+    assert lines_of_code(str(path)) == 4  # import, def, and the return's two lines
+
+
+def test_train_py_is_at_most_500_lines_of_code():
+    assert lines_of_code(MODULES["train"]) <= 500
 
 
 def test_train_py_is_at_most_120_columns():

@@ -22,8 +22,8 @@ from fixtures import (
 )
 from reference import loss as reference_loss
 from reference import weights_to_dicts
-from seqax import training_io
 from seqax.shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from seqax.startup_report import compile_step
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]
 # The tiny model has 2 layers of 8 kv heads, so that every mesh of 8 devices splits its heads.
@@ -157,7 +157,7 @@ def test_every_matmul_of_the_training_step_has_bf16_operands():
     plain autodiff of a bf16 x bf16 -> f32 product would give (several times slower)."""
     cfg, mesh = tiny_config(), make_mesh(4, 2)
     with jax.set_mesh(mesh):
-        hlo = training_io.compile_step(train.training_step, cfg, abstract_state(cfg, mesh), mesh).as_text()
+        hlo = compile_step(train.training_step, cfg, abstract_state(cfg, mesh), mesh).as_text()
     types = {}  # instruction -> its element type, per computation (fused computations name their parameters)
     dots = []
     for line in hlo.splitlines():

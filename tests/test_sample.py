@@ -161,8 +161,8 @@ def test_prompt_ids_on_a_run_without_a_text_tokenizer_print_ids(synthetic_run, c
     sample.main(["--run-dir", synthetic_run, "--prompt-ids", *map(str, prompt), "--max-new-tokens", "5",
                  "--temperature", "0", "--num-samples", "2"])
     run = runs.load_run_config(synthetic_run)
-    mesh = runs.run_mesh(run.model, None, None)
-    _, weights = runs.load_weights(synthetic_run, run, mesh)
+    mesh = runs.run_mesh(run.model, train.Model, None, None)
+    _, weights = runs.load_weights(synthetic_run, run, mesh, train.init_weights, train.Model)
     largest = open_flat_tokens(run.dataset_path).max_token_id
     expected = sample.generate(run.model, weights, mesh, prompt, num_samples=1, max_new_tokens=5,
                                max_token_id=largest)[0].tolist()

@@ -9,7 +9,6 @@ import pytest
 
 import train
 from fixtures import make_mesh, run_overrides, run_train, synthetic_dataset, tiny_overrides, train_args
-from seqax import training_io
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointError, SeqaxError, load_config
 
@@ -26,7 +25,7 @@ def small_dataset(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_local_test_synthetic_learns_in_50_steps(default_dataset, tmp_path):
     """On the dataset `make train` writes (the tool's defaults; tests/conftest.py). Without
-    graphviz (fixtures.child_env): tests/test_training_io.py checks the drawing, and drawing this
+    graphviz (fixtures.child_env): tests/test_startup_report.py checks the drawing, and drawing this
     step's graph outlasts the 30 s the run waits for it."""
     result = run_train(train_args(tmp_path, default_dataset, "smoke"), graph=False)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -79,7 +78,7 @@ def test_bad_config_stops_before_compiling(small_dataset, tmp_path, monkeypatch,
     def compile_step(*args):
         raise AssertionError("the training step was compiled despite a bad config")
 
-    monkeypatch.setattr(training_io, "compile_step", compile_step)
+    monkeypatch.setattr(train, "compile_step", compile_step)
     with pytest.raises(SeqaxError, match=message):
         cfg = load_config("local_test_synthetic", run_overrides(tmp_path, small_dataset, "bad", *overrides))
         train.train(cfg, "unused: true\n")

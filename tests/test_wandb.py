@@ -1,4 +1,4 @@
-"""wandb_log.py through training_io.RunLog, in W&B's offline mode (no network): the W&B run gets
+"""wandb_log.py through records.RunRecords, in W&B's offline mode (no network): the W&B run gets
 the values of every metrics.jsonl line at its step and the resolved config, and a restart
 resumes the same W&B run. What W&B wrote is read back from its own record files: a .wandb file
 is a LevelDB-style log of protobuf records (wandb.proto.wandb_internal_pb2.Record), the same
@@ -16,7 +16,8 @@ import yaml
 from wandb.proto import wandb_internal_pb2
 
 import train
-from seqax import config, training_io, wandb_log
+from seqax import config, hardware, wandb_log
+from seqax.records import RunRecords
 
 CONFIG_YAML = "model:\n  d_model: 8\ntraining:\n  steps: 8\nlogging:\n  wandb_project: seqax-test\n  wandb_entity: ''\n"
 
@@ -32,15 +33,14 @@ def fake_config(steps: int):
 
 
 def run_log(run_dir, start: int, losses: dict[int, float], evals: dict[int, float]):
-    """RunLog as train.py drives it: steps from `start`, an eval line after step s - 1 for each s in `evals`."""
-    log = training_io.RunLog(str(run_dir), CONFIG_YAML, fake_config(8), start, train.model_flops_per_token,
-                             train.newton_schulz_flops, profiled_steps=0)
+    """RunRecords as train.py drives it: steps from `start`, an eval line after step s - 1 for each s in `evals`."""
+    log = RunRecords(str(run_dir), CONFIG_YAML, fake_config(8), start, flops_per_token=1e6, profiled_steps=0)
     for step, loss in losses.items():
         log.before_step(step, None)
         log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3 * (step + 1)), jnp.float32(0.5 + step)))
         if step + 1 in evals:  # as evaluation.Evaluation returns them, with a task's accuracies
-            log.eval(step + 1, lambda step=step: {"eval_loss": evals[step + 1], "lines/acc": 0.25 + 0.01 * step,
-                                                  "lines/acc_norm": 0.3})
+            log.eval(step + 1, lambda token_losses, step=step: {
+                "eval_loss": evals[step + 1], "lines/acc": 0.25 + 0.01 * step, "lines/acc_norm": 0.3}, None)
     log.close()
 
 
@@ -106,7 +106,7 @@ def test_wandb_gets_the_metrics_lines_and_config_and_a_restart_resumes_the_same_
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setattr(training_io, "peak_flops", lambda: (1e12, "test"))
+    monkeypatch.setattr(hardware, "peak_flops", lambda: (1e12, "test"))
     run_dir = tmp_path / "run"
     run_log(run_dir, 0, {s: 5.0 - 0.25 * s for s in range(5)}, {3: 4.5})  # stopped after step 4; checkpoint 3
     run_id = (run_dir / wandb_log.RUN_ID_FILE).read_text().strip()
@@ -128,11 +128,10 @@ def test_wandb_gets_the_metrics_lines_and_config_and_a_restart_resumes_the_same_
 
 
 def test_wandb_is_not_imported_when_off(tmp_path, monkeypatch):
-    monkeypatch.setattr(training_io, "peak_flops", lambda: (1e12, "test"))
+    monkeypatch.setattr(hardware, "peak_flops", lambda: (1e12, "test"))
     monkeypatch.setattr(wandb_log, "WandbLog", None)  # would fail if called
     cfg = fake_config(2)
     cfg.logging = config.LoggingConfig(wandb_project="", wandb_entity="")
-    log = training_io.RunLog(str(tmp_path), CONFIG_YAML, cfg, 0, train.model_flops_per_token,
-                             train.newton_schulz_flops, profiled_steps=0)
+    log = RunRecords(str(tmp_path), CONFIG_YAML, cfg, 0, flops_per_token=1e6, profiled_steps=0)
     log.close()
     assert log.wandb is None and not (tmp_path / wandb_log.RUN_ID_FILE).exists()

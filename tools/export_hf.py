@@ -37,6 +37,7 @@ import jax
 import numpy as np
 import zarr
 
+import train
 from seqax.config import ConfigError, DatasetError, SeqaxError, TokenizerError
 from seqax.runs import load_run_config, load_weights, run_mesh
 from seqax.tokenizer import EOD_TOKEN, ByteTokenizer
@@ -198,8 +199,8 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         raise ConfigError("the export writes safetensors, which is not installed: "
                           ".venv/bin/pip install -r requirements-dev.txt") from None
     run = load_run_config(run_dir)
-    mesh = run_mesh(run.model, None, None)
-    step, weights = load_weights(run_dir, run, mesh, step)
+    mesh = run_mesh(run.model, train.Model, None, None)
+    step, weights = load_weights(run_dir, run, mesh, train.init_weights, train.Model, step)
     weights = jax.device_get(weights)
     dataset = dataset or run.dataset_path
     if not os.path.isdir(dataset):

@@ -14,6 +14,7 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
     ring_pass('B/d S/c K/t D', k, 'c')            send k to the next device along c, receive the previous one's
     global_norm(grads, Model)                     the L2 norm of arrays sharded as Model's annotations say
     all_to_all('layers M/d F/t -> layers/d/t M F', w)  move d and t from M and F to layers: whole matrices
+    inverse('layers M/d F/t -> layers/d/t M F')       the spec that undoes it: 'layers/d/t M F -> layers M/d F/t'
 """
 
 from functools import partial
@@ -421,6 +422,15 @@ def _all_to_all_backward(moves, _, cotangent):  # the blocks go back the way the
 
 
 _all_to_all.defvjp(_all_to_all_forward, _all_to_all_backward)
+
+
+def inverse(spec: str) -> str:
+    """The spec of the collective that undoes `spec`'s: its two sides swapped ('A/d B -> A B/d' gives
+    'A B/d -> A/d B'), as all_to_all needs to send whole matrices back where they came from."""
+    if spec.count("->") != 1:
+        raise SpecError(f"inverse: spec {spec!r} needs exactly one '->'")
+    source, result = spec.split("->")
+    return f"{result.strip()} -> {source.strip()}"
 
 
 def _moves(op: str, spec: str, src, dst) -> list[tuple[tuple[str, ...], int, int]]:

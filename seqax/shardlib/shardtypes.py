@@ -186,6 +186,22 @@ def make_partition_specs(annotation, prefix: tuple[Dim, ...] = ()):
     raise ShapeError(f"cannot derive a sharding from annotation {annotation!r}")
 
 
+def leaf_dims(annotation, prefix: tuple[Dim, ...] = ()) -> list[tuple[Dim, ...]]:
+    """The dimensions (names and mesh axes) of every array that `annotation` describes, in order."""
+    if isinstance(annotation, ArrayType):
+        return [prefix + annotation.dims]
+    if isinstance(annotation, Stacked):
+        return leaf_dims(annotation.inner, prefix + annotation.dims)
+    if isinstance(annotation, MaskedType):
+        return leaf_dims(annotation.inner, prefix)
+    if is_pytree_dataclass(annotation):
+        return [dims for f in dataclasses.fields(annotation) for dims in leaf_dims(f.type, prefix)]
+    args = _tuple_args(annotation)
+    if args is not None:
+        return [dims for a in args for dims in leaf_dims(a, prefix)]
+    raise ShapeError(f"cannot read dimensions from annotation {annotation!r}")
+
+
 def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
     """All mesh axes that a PartitionSpec shards over."""
     axes = []
@@ -330,6 +346,6 @@ def typed_shard_map(f, mesh: jax.sharding.Mesh | None = None):
 
 __all__ = [
     "Array", "ArrayType", "Dim", "Masked", "ShapeError", "Stacked", "abstract_arrays", "bf16", "bool_", "check", "f16",
-    "f32", "i32", "is_pytree_dataclass", "make_partition_specs", "make_shardings", "parse_dims", "pytree_dataclass",
-    "spec_axes", "typechecked", "typed_shard_map", "u32", "u8",
+    "f32", "i32", "is_pytree_dataclass", "leaf_dims", "make_partition_specs", "make_shardings", "parse_dims",
+    "pytree_dataclass", "spec_axes", "typechecked", "typed_shard_map", "u32", "u8",
 ]

@@ -1,0 +1,158 @@
+"""What a run reports at start-up, once its training step is compiled and before it runs: the compile
+time; the model's FLOPs against XLA's count; the optimized HLO (training_step.hlo.txt) and its
+graph (training_step.dot and .svg, drawn by graphviz in the background); the memory report
+(memory_report.txt, memory.py) and the communication report (communication_report.txt,
+communication.py). Only process 0 prints and writes.
+"""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+
+from seqax import communication, hlo_graph, memory
+from seqax.console import warn
+
+DOT_WAIT_SECONDS = 30  # how long the end of a run waits for graphviz, which started at compile time
+
+
+def compile_step(training_step, cfg, state, mesh):
+    """`training_step(state, step, targets, is_seq_start, loss_mask, cfg)` (train.py's) compiled
+    ahead of time for this state (arrays or ShapeDtypeStructs) and batches of the config's shape
+    split over d and c, as the loader makes them, so that a run reports its compile time, FLOPs
+    and memory before the first step; the loop runs it."""
+    shape = (cfg.training.tokens.batch, cfg.training.tokens.len)
+    sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c"))
+    batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
+    return training_step.lower(state, jnp.uint32(0), *batch, cfg).compile()
+
+
+def flops_check(compiled, cfg, flops_per_token, optimizer_flops) -> str:
+    """The model's FLOPs per step (`flops_per_token(model config, seq_len)` times the tokens), the
+    optimizer's (`optimizer_flops(model config, devices)`: in all and on the busiest device) and
+    XLA's count for the compiled step of the run's config `cfg`, as a line of text.
+
+    XLA's cost_analysis() counts the body of a while loop once, not once per iteration (on jax
+    0.10.2 local_test_synthetic on one device counts 30.4, 30.6 and 30.7 GFLOP per step for 1, 2 and
+    4 layers, where the model has 30.0, 51.9 and 95.8). So the layer scan counts as one layer, and
+    the comparable number is the model's with layers=1 plus the optimizer's on every device (both
+    ratios are printed, in case a later XLA multiplies by the trip count). XLA counts a little more
+    than that: the full L x L score matmuls where MFU takes the causal half, QK^T recomputed in the
+    backward pass, and elementwise work, 1 FLOP per element per operation (docs/observability.md)."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    devices = jax.device_count()
+    xla = float(cost.get("flops", 0.0)) * devices if cost else 0.0
+    seq_len, tokens_per_step = cfg.training.tokens.len, cfg.training.tokens.batch * cfg.training.tokens.len
+    formula = flops_per_token(cfg.model, seq_len) * tokens_per_step
+    one_layer = flops_per_token(dataclasses.replace(cfg.model, layers=1), seq_len) * tokens_per_step
+    optimizer, busiest = optimizer_flops(cfg.model, devices)
+    line = (f"FLOPs per step: model {formula / 1e9:.4g} GFLOP ({one_layer / 1e9:.4g} with one layer); optimizer "
+            f"(Newton-Schulz) {optimizer / 1e9:.4g} GFLOP = {optimizer / formula:.1%} of the model's, "
+            f"{busiest / 1e9:.4g} on the busiest of {devices} devices")
+    if not xla:
+        return line + "; XLA gives no cost analysis on this backend"
+    return line + (f"; XLA cost_analysis {xla / 1e9:.4g} GFLOP = {xla / (formula + busiest * devices):.3f} x model "
+                   f"+ optimizer, {xla / (one_layer + busiest * devices):.3f} x that with one layer "
+                   "(XLA counts a loop body once)")
+
+
+class StartupReport:
+    """The start-up reports of a run into `run_dir` (config.Config `cfg`), printed and written by
+    process 0. close() waits for the graph's drawing, which runs in the background."""
+
+    def __init__(self, run_dir: str, cfg):
+        self.run_dir, self.cfg = run_dir, cfg
+        self.writes = jax.process_index() == 0
+        self.dot_process = None
+
+    def print(self, text: str):
+        if self.writes:
+            print(text, flush=True)
+
+    def write(self, name: str, text: str):
+        if self.writes:
+            with open(os.path.join(self.run_dir, name), "w") as f:
+                f.write(text)
+
+    def compile(self, lower_and_compile, flops_per_token, optimizer_flops):
+        """Runs `lower_and_compile()` (returns a jax Compiled), prints the compile time and the FLOPs
+        check (see flops_check for the two counts), and writes the optimized HLO with its graph."""
+        started = time.perf_counter()
+        compiled = lower_and_compile()
+        self.print(f"compiled the training step in {time.perf_counter() - started:.1f} s")
+        self.print(flops_check(compiled, self.cfg, flops_per_token, optimizer_flops))
+        if self.writes:
+            self._write_hlo(compiled.as_text())
+        return compiled
+
+    def _write_hlo(self, hlo_text: str):
+        path = lambda suffix: os.path.join(self.run_dir, f"training_step.{suffix}")  # noqa: E731
+        self.write("training_step.hlo.txt", hlo_text)
+        try:
+            graph = hlo_graph.to_dot(hlo_text, "training_step")
+        except Exception as e:  # a picture must not stop a run, e.g. if a new XLA prints HLO differently
+            warn(f"could not draw the HLO graph of training_step.hlo.txt: {e!r}")
+            return
+        self.write("training_step.dot", graph)
+        if shutil.which("dot") is None:
+            warn("graphviz's `dot` is not installed, so there is no training_step.svg (training_step.dot is written); "
+                 "install it with `apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz`")
+            return
+        # Rendered in the background at the lowest priority, so that it takes no CPU from the
+        # steps (on a 2-core machine it held one core for 15-30 s of the first steps); close()
+        # waits for it, when the steps no longer need the CPU.
+        self.dot_process = subprocess.Popen(["dot", "-Tsvg", path("dot"), "-o", path("svg")],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.dot_process.pid, 19)
+        except ProcessLookupError:  # it has already finished
+            pass
+
+    def mesh_title(self) -> str:
+        """The reports' title: the mesh and the devices."""
+        return (f"mesh d={self.cfg.mesh.d} t={self.cfg.mesh.t} c={self.cfg.mesh.c}, "
+                f"{jax.device_count()} x {jax.devices()[0].device_kind}")
+
+    def memory_report(self, compiled, state, mesh, layer, forward, muon: dict):
+        """Prints the memory report and writes memory_report.txt (memory.py; see
+        memory.memory_annotations for `layer` and `forward`, memory.memory_estimate for `muon`)."""
+        if not self.writes:
+            return
+        layer_memory = memory.memory_annotations(self.cfg, mesh, state, layer, forward)
+        text, _, _ = memory.memory_report(compiled, state, layer_memory, muon, self.mesh_title())
+        self.print(text.rstrip())
+        self.write("memory_report.txt", text)
+
+    def communication_report(self, compiled):
+        """Prints the communication report and writes communication_report.txt: what the compiled
+        step's collectives send (communication.py)."""
+        if not self.writes:
+            return
+        try:
+            collectives = communication.step_collectives(compiled.as_text())
+        except ValueError as e:  # a report must not stop a run, e.g. if a new XLA prints HLO differently
+            warn(f"no communication report: {e}")
+            return
+        text = communication.report(self.mesh_title(), collectives)
+        self.print(text.rstrip())
+        self.write("communication_report.txt", text)
+
+    def close(self):
+        """Waits (up to DOT_WAIT_SECONDS) for graphviz to finish training_step.svg."""
+        if self.dot_process is None:
+            return
+        try:  # a picture must not hold up the end of a run (or a preemption's exit)
+            _, error = self.dot_process.communicate(timeout=DOT_WAIT_SECONDS)
+            if self.dot_process.returncode:
+                warn(f"graphviz's dot failed on training_step.dot: {error.decode(errors='replace').strip()[:500]}")
+        except subprocess.TimeoutExpired:
+            self.dot_process.kill()
+            self.dot_process.communicate()
+            warn(f"graphviz's dot did not finish training_step.svg within {DOT_WAIT_SECONDS} s of the run's end "
+                 "and was stopped; render it with "
+                 f"`dot -Tsvg {os.path.join(self.run_dir, 'training_step.dot')} -o training_step.svg`")
