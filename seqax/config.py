@@ -1,9 +1,10 @@
 """The configuration of a run and the errors a user can fix. A leaf: imports no module of ours.
 
-Every key is required (configs/*.yaml); a key's comment says what it sets. Configuration sets
-numbers and paths; the few keys that pick a behaviour (dataset.packed, checkpoints.compression,
-distributed.*) choose what is read or written, never which model or step runs. Dimension letters
-(M, Q, K, D, F, V, B, L) are the ones train.py's docstring names.
+Every key without a default is required (configs/*.yaml); the few with a default (mesh.c, Muon's,
+evaluation) may be left out, as configs written before they existed do. A key's comment says what
+it sets. Configuration sets numbers and paths; the few keys that pick a behaviour (dataset.packed,
+checkpoints.compression, distributed.*) choose what is read or written, never which model or step
+runs. Dimension letters (M, Q, K, D, F, V, B, L) are the ones train.py's docstring names.
 """
 
 import dataclasses

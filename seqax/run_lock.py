@@ -1,4 +1,4 @@
-"""One writer per run directory (DESIGN.md): a run holds an OS file lock on `<run>/.lock`.
+"""One writer per run directory (docs/design.md): a run holds an OS file lock on `<run>/.lock`.
 
 The lock is fcntl.flock on an open file: the kernel releases it when the holder closes the file
 or dies, however it dies (SIGKILL included), so a lock is never stale and nothing needs

@@ -1,4 +1,6 @@
-"""Multiple-choice evaluation (evaluation.py): a task file's faults stop a run before its first step
+"""Evaluation (evaluation.py). The validation loss: eval_loss lines at the right steps, the same values
+after a restart on another mesh, and equal to the reference loss (tests/reference.py) of the same
+validation batches. Multiple-choice tasks: a task file's faults stop a run before its first step
 with one line; packed choices score what the independent reference model scores one document at a
 time; and on a trained run, the loop's accuracies agree with lm-evaluation-harness on the exported
 model, example by example."""
@@ -7,6 +9,7 @@ import email
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -18,10 +21,22 @@ import yaml
 
 import reference
 import train
-from fixtures import make_mesh, prepared_dataset, reference_config, run_train, tiny_config
+from fixtures import (
+    make_mesh,
+    prepared_dataset,
+    reference_config,
+    run_train,
+    synthetic_dataset,
+    tiny_config,
+    tiny_overrides,
+    train_args,
+)
+from reference import loss as reference_loss
 from reference import sequence_losses, weights_to_dicts
 from seqax import evaluation, runs
 from seqax.config import Config, ConfigError, config_from_dict
+from seqax.data_loader import make_loader
+from seqax.flat_tokens import open_flat_tokens
 from seqax.shardlib.shardtypes import make_shardings
 from seqax.tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf, lm_eval_task, make_choice_task
@@ -172,3 +187,64 @@ def test_the_loops_accuracy_agrees_with_lm_eval_on_the_export(tmp_path):
     relative = np.concatenate([np.abs(a - b) / np.abs(b) for a, b in zip(ours, theirs)])
     print(f"log-likelihoods: largest relative difference {relative.max():.2e}, median {np.median(relative):.2e}")
     assert relative.max() <= 0.02, relative.max()
+
+
+# ---------------------------------------------------------------------------------------------
+# The validation loss.
+
+
+@pytest.fixture(scope="module")
+def validation_dataset(tmp_path_factory) -> str:
+    return synthetic_dataset(tmp_path_factory.mktemp("data") / "synthetic.zarr", "--train-tokens", "20000",
+                             "--validation-tokens", "3000")
+
+
+def eval_overrides(d: int, t: int) -> list[str]:
+    return tiny_overrides("model.n_kv=2", "dataset.streams=1", "training.steps=6", "checkpoint_interval=2",
+                          "checkpoints.keep=0", "eval_interval=4", "eval_batches=2", f"mesh.d={d}", f"mesh.t={t}")
+
+
+def train_on(dataset: str, root, d: int, t: int):
+    """`python -m train` on a (d, t) mesh, in a child process (profiler, threads and all; no
+    training_step.svg, which nothing here reads: fixtures.child_env)."""
+    result = run_train(train_args(root, dataset, "eval", *eval_overrides(d, t)), graph=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def eval_lines(run_dir) -> list[dict]:
+    return [line for line in map(json.loads, open(run_dir / "metrics.jsonl")) if "eval_loss" in line]
+
+
+@pytest.mark.slow  # two training runs
+def test_eval_loss_steps_restart_mesh_and_reference(validation_dataset, tmp_path):
+    dataset = validation_dataset
+    train_on(dataset, tmp_path, 4, 2)
+    run_dir = tmp_path / "eval"
+    first = eval_lines(run_dir)
+    assert [line["step"] for line in first] == [4, 6]  # every eval_interval steps and after the last
+
+    # Restart from checkpoint 2 on another mesh: steps 2..5 run again, and so do both evaluations.
+    for step in (4, 6):
+        shutil.rmtree(run_dir / "checkpoints" / f"{step:010d}")
+    train_on(dataset, tmp_path, 8, 1)
+    again = eval_lines(run_dir)[2:]
+    assert [line["step"] for line in again] == [4, 6]
+    for a, b in zip(first, again):
+        assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-4 * abs(a["eval_loss"]), (a, b)
+
+    # The final weights' eval_loss is the mean loss of validation batches 0 and 1, by the reference.
+    cfg8 = tiny_config(f"dataset.path={dataset}", *eval_overrides(8, 1))
+    mesh = make_mesh(8, 1)
+    step, weights = runs.load_weights(str(run_dir), runs.load_run_config(str(run_dir)), mesh,
+                                    train.init_weights, train.Model)
+    assert step == 6
+    loader = make_loader(cfg8.dataset, open_flat_tokens(dataset), "validation", cfg8.training.tokens.batch,
+                         cfg8.training.tokens.len, mesh)
+    batches = [jax.device_get(vars(loader.batch(i))) for i in range(2)]
+    loader.close()
+    reference_cfg = reference_config(cfg8.model)
+    weights = weights_to_dicts(jax.device_get(weights), cfg8.model.layers)
+    losses = [jax.jit(lambda w, b=b: reference_loss(w, reference_cfg, b["targets"], b["is_seq_start"],
+                                                    b["loss_mask"]))(weights) for b in batches]
+    expected = float(np.mean(losses))
+    assert abs(again[1]["eval_loss"] - expected) <= 1e-4 * expected, (again[1]["eval_loss"], expected)

@@ -3,6 +3,7 @@ Each stops with one SeqaxError line naming the thing and the fix, and leaves the
 
 import errno
 import os
+import re
 import subprocess
 import sys
 
@@ -210,9 +211,26 @@ def test_bad_values_are_one_line_with_the_remedy(override, message):
     assert "\n" not in str(error.value)
 
 
-def test_good_values_pass():
-    validate_config(load_config("local_test_synthetic", ["+paths.model_name=run"]), 8, max_token_id=10,
-                    weights=train.Model)
+@pytest.mark.parametrize("edge,past", [
+    ("training.adam_b1=0.0", "training.adam_b1=-0.01"),
+    ("training.adam_b2=0.999999", "training.adam_b2=1.0"),
+    ("training.weight_decay=0.0", "training.weight_decay=-1e-9"),
+    ("training.final_learning_rate_fraction=1.0", "training.final_learning_rate_fraction=1.01"),
+    ("training.final_learning_rate_fraction=0.0", "training.final_learning_rate_fraction=-0.01"),
+    ("checkpoints.compression=zstd checkpoints.level=22", "checkpoints.compression=zstd checkpoints.level=23"),
+    ("checkpoints.compression=blosc checkpoints.level=0", "checkpoints.compression=blosc checkpoints.level=-1"),
+    ("model.layers=1", "model.layers=0"),
+])
+def test_each_check_rejects_only_past_its_edge(edge, past):
+    """A value at the edge of its range passes and the next one past it is refused, naming the key:
+    the checks reject exactly what their messages say."""
+    def check(override):
+        cfg = load_config("local_test_synthetic", ["+paths.model_name=run", *override.split(" ")])
+        return validate_config(cfg, 8, max_token_id=10, weights=train.Model)
+
+    assert check(edge) is None
+    with pytest.raises(ConfigError, match=re.escape(past.split(" ")[-1].split("=")[0])):
+        check(past)
 
 
 @pytest.mark.parametrize("where", ["equal", "inside"])

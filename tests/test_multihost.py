@@ -84,25 +84,29 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
     expected = losses(tmp_path / "one")
     assert sorted(expected) == [0, 1, 2, 3]
 
-    # 2 processes x 4 devices, the same mesh: the same losses and evaluation; checkpoint 3 written by both.
-    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "two", 3, *evaluated))
+    # 2 processes x 4 devices, the same mesh: the same losses and evaluation; checkpoints 3 and 4 written by both.
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "two", 4, *evaluated))
     output = launched.communicate(timeout=300)[0]
     assert launched.returncode == 0, output[-3000:]
     two = losses(tmp_path / "two")
-    assert sorted(two) == [0, 1, 2] and all(close(two[s], expected[s], 1e-6) for s in two), (two, expected)
+    assert sorted(two) == [0, 1, 2, 3] and all(close(two[s], expected[s], 1e-6) for s in (0, 1, 2)), (two, expected)
     one_eval, two_eval = (next(line for line in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
                                if line.get("step") == 3 and "eval_loss" in line) for name in ("one", "two"))
     assert close(two_eval["eval_loss"], one_eval["eval_loss"], 1e-4), (one_eval, two_eval)
     assert two_eval["short/acc"] == one_eval["short/acc"] and two_eval["short/acc_norm"] == one_eval["short/acc_norm"]
-    assert "[0] step      2/3" in output and "[1] step" not in output  # only process 0 logs steps
+    assert "[0] step      2/4" in output and "[1] step" not in output  # only process 0 logs steps
     # embed is V/t M/d: ...
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c")) == ["0"]
     # ... a chunk file per process along d (rows of the 4x2 mesh: 2 per process).
     assert len(os.listdir(tmp_path / "two" / "checkpoints" / "0000000003" / "weights.embed" / "c" / "0")) == 2
 
-    # The 2-process checkpoint in 1 process on mesh 1x1: the next step's loss.
+    # The 2-process checkpoint 3 in 1 process on mesh 1x1: step 3 again, from the same state, gives the
+    # loss the 2 processes computed, to the forward pass's float32 rounding on another mesh (1e-5, as
+    # step 0's). Not the one-process run's step 3: after three Muon updates the two runs' states
+    # differ by cross-process sums' rounding, amplified (1.2e-4 in its loss on an AMD EPYC, 2026-12-03).
+    shutil.rmtree(tmp_path / "two" / "checkpoints" / "0000000004")
     one_process(cache, 1, multihost_args(tmp_path, dataset, "two", 4, "mesh.d=1", "mesh.t=1"))
-    assert close(losses(tmp_path / "two")[3], expected[3], 1e-4), (losses(tmp_path / "two"), expected)
+    assert close(losses(tmp_path / "two")[3], two[3], 1e-5), (losses(tmp_path / "two"), two)
 
     # The 1-process checkpoint 3 in 2 processes.
     os.makedirs(tmp_path / "from_one" / "checkpoints")

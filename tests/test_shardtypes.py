@@ -103,9 +103,12 @@ def test_wrong_return_shape_is_caught():
 
 
 def test_scopes_are_per_call():
-    """Each call records its own sizes: two calls with different B are both fine."""
-    matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5)))
-    matmul(jnp.zeros((7, 3, 8)), jnp.zeros((8, 1)))
+    """Each call records its own sizes: two calls with different B, M and F both run (each checked
+    against itself), and a mismatch inside one call is still caught after them."""
+    assert matmul(jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))).shape == (2, 3, 5)
+    assert matmul(jnp.zeros((7, 3, 8)), jnp.zeros((8, 1))).shape == (7, 3, 1)
+    with pytest.raises(ShapeError, match=r"dimension M .* is 8, but M was 4"):
+        matmul(jnp.zeros((2, 3, 4)), jnp.zeros((8, 5)))
 
 
 def test_fixed_size_dimension():

@@ -4,7 +4,7 @@ multiple-choice task the runs evaluated (acc solid, acc_norm dashed; evaluation.
 
     .venv/bin/python -m tools.plot_metrics runs/a [runs/b ...] [--output plot.png]
 
-A step logged twice (re-run after a crash, DESIGN.md) is plotted with its last value. Needs
+A step logged twice (re-run after a crash, docs/design.md) is plotted with its last value. Needs
 matplotlib (requirements-dev.txt).
 """
 
