@@ -12,7 +12,9 @@ import train
 from seqax import config
 from seqax.config import load_config
 from seqax.data_loader import zigzag_order
+from seqax.flat_tokens import open_flat_tokens
 from seqax.shardlib.shardtypes import abstract_arrays, bool_, f32, typed_shard_map, u32
+from seqax.tokenizer import dataset_tokenizer
 from tools import prepare_dataset
 from tools.launch_local import free_port
 from tools.write_synthetic_dataset import main as write_synthetic_dataset
@@ -116,6 +118,16 @@ def random_state(cfg: config.Config, mesh) -> train.State:
 
 # ---------------------------------------------------------------------------------------------
 # Datasets, written in this process (the tools' own main functions).
+
+
+def decoded(path: str) -> dict[str, list[str]]:
+    """The documents of a flat-tokens dataset by split, decoded with its own tokenizer."""
+    dataset, tokenizer = open_flat_tokens(path), dataset_tokenizer(path)
+    out = {}
+    for name, split in dataset.splits.items():
+        starts, tokens = split.seq_starts[:].astype(int), split.encoded_tokens[:] >> 1
+        out[name] = [tokenizer.decode(tokens[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    return out
 
 
 def synthetic_dataset(path, *args: str) -> str:

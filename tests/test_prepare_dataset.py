@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import train
+from fixtures import decoded
 from seqax.config import ConfigError, DatasetError, load_config
 from seqax.flat_tokens import FlatTokensWriter, open_flat_tokens
-from seqax.tokenizer import dataset_tokenizer
 from tools import prepare_dataset
 
 PIECES = ["héllo wörld", "naïve café", "日本語のテキスト", "def f(x):\n    return x * 2", "plain ascii"]
@@ -28,15 +28,6 @@ def run_error(argv, capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("prepare_dataset: error: ")
     return err[0]
-
-
-def decoded(path: str) -> dict[str, list[str]]:
-    dataset, tokenizer = open_flat_tokens(path), dataset_tokenizer(path)
-    out = {}
-    for name, split in dataset.splits.items():
-        starts, tokens = split.seq_starts[:].astype(int), split.encoded_tokens[:] >> 1
-        out[name] = [tokenizer.decode(tokens[a:b]) for a, b in zip(starts[:-1], starts[1:])]
-    return out
 
 
 def assert_round_trip(path: str, documents: list[str], ordered=("train", "validation")):

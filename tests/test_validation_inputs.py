@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from fixtures import make_mesh, tiny_config
+from fixtures import decoded, make_mesh, tiny_config
 from seqax import evaluation
 from seqax.flat_tokens import open_flat_tokens
 from seqax.tokenizer import dataset_tokenizer
@@ -19,15 +19,6 @@ HELD_OUT = {  # validation documents by input format
     "jsonl": ["held-out jsonl line one", "held-out jsonl line two, naïve café"],
     "parquet": ["held-out parquet row one", "held-out parquet row two", "日本語の検証"],
 }
-
-
-def decoded(path: str) -> dict[str, list[str]]:
-    dataset, tokenizer = open_flat_tokens(path), dataset_tokenizer(path)
-    out = {}
-    for name, split in dataset.splits.items():
-        starts, tokens = split.seq_starts[:].astype(int), split.encoded_tokens[:] >> 1
-        out[name] = [tokenizer.decode(tokens[a:b]) for a, b in zip(starts[:-1], starts[1:])]
-    return out
 
 
 def write_files(folder) -> tuple[list[str], list[str]]:

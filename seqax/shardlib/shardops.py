@@ -99,18 +99,26 @@ _gather_cast.defvjp(_gather_cast_forward, _gather_cast_backward)
 
 def _gathers(op: str, spec: str, x) -> list[tuple[int, tuple[str, ...]]]:
     """(dimension, mesh axes gathered into it) of a gather spec, checked against x."""
+    return _axis_changes(op, spec, x, "gather", "drop")
+
+
+def _axis_changes(op: str, spec: str, x, what: str, verb: str) -> list[tuple[int, tuple[str, ...]]]:
+    """(dimension, the innermost mesh axes a gather drops from it or a scatter adds to it) of a spec
+    whose every other axis stays; checked against x."""
     src, dst = _parse_unary(spec, op)
-    gathers = []
-    for i, (a, b) in enumerate(zip(src, dst)):
-        if a.axes[: len(b.axes)] != b.axes:
-            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a gather: "
-                            "the output may only drop innermost axes")
-        if len(a.axes) > len(b.axes):
-            gathers.append((i, a.axes[len(b.axes) :]))
-    if not gathers:
-        raise SpecError(f"{op}: spec {spec!r} gathers nothing")
+    kept, changed = (dst, src) if what == "gather" else (src, dst)
+    changes = []
+    for i, (a, b) in enumerate(zip(kept, changed)):
+        if b.axes[: len(a.axes)] != a.axes:
+            shown = f"{b} -> {a}" if what == "gather" else f"{a} -> {b}"
+            raise SpecError(f"{op}: in spec {spec!r}, {shown} is not a {what}: "
+                            f"the output may only {verb} innermost axes")
+        if len(b.axes) > len(a.axes):
+            changes.append((i, b.axes[len(a.axes) :]))
+    if not changes:
+        raise SpecError(f"{op}: spec {spec!r} {what}s nothing")
     _check_ndim(op, spec, src, x)
-    return gathers
+    return changes
 
 
 # XLA's collectives need each device's block contiguous in memory. For a dimension that is
@@ -143,17 +151,7 @@ def _scatter(scatters, x):
 def psum_scatter(spec: str, x):
     """Sums float32 partials over the axes the output adds, leaving each device its slice."""
     op = "psum_scatter"
-    src, dst = _parse_unary(spec, op)
-    scatters = []
-    for i, (a, b) in enumerate(zip(src, dst)):
-        if b.axes[: len(a.axes)] != a.axes:
-            raise SpecError(f"{op}: in spec {spec!r}, {a} -> {b} is not a scatter: "
-                            "the output may only add innermost axes")
-        if len(b.axes) > len(a.axes):
-            scatters.append((i, b.axes[len(a.axes) :]))
-    if not scatters:
-        raise SpecError(f"{op}: spec {spec!r} scatters nothing")
-    _check_ndim(op, spec, src, x)
+    scatters = _axis_changes(op, spec, x, "scatter", "add")
     _require_f32(op, x)
     return _scatter(scatters, x)
 
