@@ -6,7 +6,7 @@ RUN ?= local_synthetic
 
 TEXT_RUN ?= local_text
 
-.PHONY: train train-text test test-fast lint clean
+.PHONY: train train-text test test-fast lint clean compilers
 
 # The pinned packages, then this project (the `seqax` package, train.py and sample.py) in editable mode.
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -18,6 +18,16 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
+
+# The GPU and TPU compilers (bench/compile_for.py), in a venv of their own: requirements-compilers.txt says why.
+COMPILERS := .venv-compilers
+$(COMPILERS)/.installed: requirements.txt requirements-compilers.txt pyproject.toml
+	$(PYTHON) -m venv $(COMPILERS)
+	$(COMPILERS)/bin/pip install -q -r requirements-compilers.txt
+	$(COMPILERS)/bin/pip install -q --no-deps -e .
+	touch $@
+
+compilers: $(COMPILERS)/.installed
 
 synthetic_dataset.zarr: $(VENV)/.installed
 	$(VENV)/bin/python -m tools.write_synthetic_dataset --output $@
@@ -46,8 +56,8 @@ lint: $(VENV)/.installed-dev
 # gain on 2 cores); TEST_WORKERS=0 runs them all in pytest's own process.
 TEST_WORKERS ?= 2
 
-# Everything: lint and every test (CI runs this).
-test: lint
+# Everything: lint and every test, the GPU and TPU compiles included (CI runs this).
+test: lint $(COMPILERS)/.installed
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # The edit-test loop: lint and the tests not marked slow, in under two minutes on two cores.
@@ -55,4 +65,4 @@ test-fast: lint
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs
+	rm -rf $(VENV) $(COMPILERS) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs

@@ -57,6 +57,19 @@ def sent_bytes(kind: str, full_bytes: int, group: int) -> float:
     return (2 if kind == "all-reduce" else 1) * share * full_bytes
 
 
+def collective_shape(inst: hlo.Instruction, operand_shapes: list[str]) -> str:
+    """The shape whose bytes a collective moves: a permute's operands (an asynchronous one's result
+    tuple also holds its context scalars), an all-reduce's result, and for the others their result,
+    which an asynchronous start writes as ((operands...), (results...))."""
+    kind = inst.opcode.removesuffix("-start")
+    if kind == "collective-permute":
+        return "(" + ", ".join(operand_shapes) + ")"
+    elements = hlo.tuple_elements(inst.shape)
+    if inst.opcode.endswith("-start") and kind != "all-reduce" and len(elements) > 1:
+        elements = elements[len(elements) // 2 :]
+    return "(" + ", ".join(elements) + ")"
+
+
 def step_collectives(hlo_text: str) -> list[Collective]:
     """Every collective of a compiled step (Compiled.as_text()) with how often it runs per step (a
     while body's count multiplied by its trip count: hlo.runs_per_call). A collective inside a loop of
@@ -66,15 +79,14 @@ def step_collectives(hlo_text: str) -> list[Collective]:
     runs, uncounted = hlo.runs_per_call(computations)
     found = []
     for name, times in runs.items():
+        shapes = {i.name: i.shape for i in computations[name].instructions}
         for inst in computations[name].instructions:
             kind = inst.opcode.removesuffix("-start")
             if kind not in KINDS:
                 continue
             if name in uncounted:
                 raise ValueError(f"{inst.name} in {name} runs inside a while loop of unknown trip count")
-            shape = inst.shape
-            if inst.opcode.endswith("-start") and shape.startswith("("):  # (operand, result): the result
-                shape = shape[shape.rindex(", ") + 2 : -1] if kind != "collective-permute" else shape
+            shape = collective_shape(inst, [shapes.get(o, "") for o in inst.operands])
             group = group_size(inst.attributes)
             dtype, size = array_bytes(shape)
             if kind == "reduce-scatter":

@@ -9,9 +9,12 @@ GPU, TPU); JAX has no public API for the HLO module's structure.
 """
 
 import collections
+import json
 import math
 import re
 from dataclasses import dataclass, field
+
+import numpy as np
 
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT )?%(\S+) = (.*)$")
@@ -40,6 +43,41 @@ class Instruction:
     trip_count: int | None = None  # a while loop's, when XLA knows it
     attributes: str = ""  # everything after the operands, as written
 
+    @property
+    def op_name(self) -> str:
+        """JAX's name of the operation the instruction came from ('jit(training_step)/.../dot_general')."""
+        match = re.search(r'op_name="([^"]*)"', self.attributes)
+        return match.group(1) if match else ""
+
+    @property
+    def stack_frame(self) -> int:
+        """The id of the instruction's Python stack (Module.stacks), 0 if it has none."""
+        match = re.search(r"stack_frame_id=(\d+)", self.attributes)
+        return int(match.group(1)) if match else 0
+
+    @property
+    def backend_config(self) -> dict:
+        """The instruction's backend_config (JSON), {} if it has none."""
+        start = self.attributes.find("backend_config={")
+        if start < 0:
+            return {}
+        start += len("backend_config=")
+        return json.loads(self.attributes[start : _matching(self.attributes, start, "{", "}") + 1])
+
+    def attribute(self, name: str) -> str | None:
+        """The value of `name=...` as written, up to the next comma outside brackets (a quoted value
+        without its quotes), or None."""
+        match = re.search(rf"(?:^|[\s,]){name}=", self.attributes)
+        if not match:
+            return None
+        value, depth = "", 0
+        for char in self.attributes[match.end() :]:
+            if char == "," and depth == 0:
+                break
+            depth += 1 if char in "([{" else -1 if char in ")]}" else 0
+            value += char
+        return value.strip().strip('"')
+
 
 @dataclass
 class Computation:
@@ -48,10 +86,11 @@ class Computation:
     instructions: list[Instruction] = field(default_factory=list)
 
 
-def _matching_paren(text: str, start: int) -> int:
+def _matching(text: str, start: int, opening: str = "(", closing: str = ")") -> int:
+    """The index of the bracket that closes the one at `start`."""
     depth = 0
     for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        depth += 1 if text[i] == opening else -1 if text[i] == closing else 0
         if depth == 0:
             return i
     return len(text)
@@ -61,7 +100,7 @@ def parse_instruction(name: str, rest: str) -> Instruction:
     """One instruction from its line after `%name = `."""
     match = _OPCODE.search(rest)
     opcode = match.group(1)
-    close = _matching_paren(rest, match.end() - 1)
+    close = _matching(rest, match.end() - 1)
     operands = re.findall(r"%([\w.\-]+)", rest[match.end() : close])
     attributes = rest[close + 1 :]
     calls = _CALLED.findall(attributes)
@@ -70,6 +109,50 @@ def parse_instruction(name: str, rest: str) -> Instruction:
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
     shape = rest[: match.start(1)].strip()
     return Instruction(name, shape, opcode, operands, calls, int(trip.group(1)) if trip else None, attributes)
+
+
+@dataclass
+class Module:
+    computations: dict[str, Computation]
+    stacks: dict[int, list[tuple[str, str, int]]]  # stack frame id -> (file, function, line), innermost first
+
+    def stack(self, frame: int) -> list[tuple[str, str, int]]:
+        return self.stacks.get(frame, [])
+
+
+def parse_module(text: str) -> Module:
+    """The computations of an HLO module's text and the Python stacks its instructions came from."""
+    return Module(parse_hlo(text), _stacks(text))
+
+
+def _table(text: str, name: str) -> dict[int, str]:
+    """A numbered table of the module's text ('FileNames', 'StackFrames', ...): id -> its line's rest."""
+    match = re.search(rf"^{name}\n(.*?)(?:\n\n|\Z)", text, re.M | re.S)
+    rows = (line.split(" ", 1) for line in match.group(1).splitlines()) if match else ()
+    return {int(number): rest for number, rest in rows}
+
+
+def _stacks(text: str) -> dict[int, list[tuple[str, str, int]]]:
+    """The stack of every frame of the module's StackFrames table. A frame is a file location and a
+    parent: the frame that called it, whose id is parent_frame_id - 1 (0: none)."""
+    files = {k: v.strip('"') for k, v in _table(text, "FileNames").items()}
+    functions = {k: v.strip('"') for k, v in _table(text, "FunctionNames").items()}
+    locations = {}
+    for k, v in _table(text, "FileLocations").items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        locations[k] = (files.get(int(fields["file_name_id"]), "?"),
+                        functions.get(int(fields["function_name_id"]), "?"), int(fields["line"]))
+    frames = {k: {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", v)}
+              for k, v in _table(text, "StackFrames").items()}
+    stacks: dict[int, list[tuple[str, str, int]]] = {}
+    for frame in frames:
+        stack, seen, current = [], set(), frame
+        while current in frames and current not in seen:
+            seen.add(current)
+            stack.append(locations.get(frames[current]["file_location_id"], ("?", "?", 0)))
+            current = frames[current]["parent_frame_id"] - 1
+        stacks[frame] = stack
+    return stacks
 
 
 def parse_hlo(text: str) -> dict[str, Computation]:
@@ -131,6 +214,38 @@ def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
             if dtype in ELEMENT_BYTES]
 
 
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape as written ('(a, (b, c))' gives ['a', '(b, c)']); a
+    shape that is not a tuple is its own one element."""
+    shape = re.sub(r"/\*index=\d+\*/", "", shape.strip())
+    if not shape.startswith("("):
+        return [shape]
+    inner, elements, depth, start = shape[1 : _matching(shape, 0)], [], 0, 0
+    for i, char in enumerate(inner):
+        depth += 1 if char in "([{" else -1 if char in ")]}" else 0
+        if char == "," and depth == 0:
+            elements.append(inner[start:i].strip())
+            start = i + 1
+    return elements + [inner[start:].strip()] if inner.strip() else elements
+
+
 def shape_bytes(shape: str) -> int:
     """Bytes of all the arrays of a shape as written ('f32[16,64]{1,0}', '(bf16[2], u32[])')."""
     return sum(math.prod(dims) * element_bytes(dtype) for dtype, dims in arrays(shape))
+
+
+def replica_groups(inst: Instruction) -> list[list[int]]:
+    """The device groups of a collective: '{{0,1},{2,3}}', or the iota form '[2,2]<=[4]' (arange(4)
+    reshaped to [2, 2], its rows the groups) with an optional transpose '[4,2]<=[2,4]T(1,0)'. A
+    collective without groups (or '{}') is one group of every device: [] here."""
+    text = inst.attribute("replica_groups") or inst.attribute("source_target_pairs") or ""
+    if text.startswith("{"):
+        return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+    match = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if not match:
+        return []
+    shape, dims = [int(d) for d in match.group(1).split(",")], [int(d) for d in match.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if match.group(3):
+        ids = ids.transpose([int(p) for p in match.group(3).split(",")])
+    return ids.reshape(-1, shape[-1]).tolist()

@@ -24,11 +24,13 @@ def compile_step(training_step, cfg, state, mesh):
     """`training_step(state, step, targets, is_seq_start, loss_mask, cfg)` (train.py's) compiled
     ahead of time for this state (arrays or ShapeDtypeStructs) and batches of the config's shape
     split over d and c, as the loader makes them, so that a run reports its compile time, FLOPs
-    and memory before the first step; the loop runs it."""
+    and memory before the first step; the loop runs it. Every argument is abstract, so the mesh may
+    be of devices that are not here (bench/compile_for.py compiles for GPUs and TPUs this way)."""
     shape = (cfg.training.tokens.batch, cfg.training.tokens.len)
     sharding = jax.NamedSharding(mesh, jax.sharding.PartitionSpec("d", "c"))
     batch = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for dtype in (jnp.uint32, jnp.bool_, jnp.bool_)]
-    return training_step.lower(state, jnp.uint32(0), *batch, cfg).compile()
+    step = jax.ShapeDtypeStruct((), jnp.uint32, sharding=jax.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    return training_step.lower(state, step, *batch, cfg).compile()
 
 
 def flops_check(compiled, cfg, flops_per_token, optimizer_flops) -> str:

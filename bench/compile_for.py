@@ -1,0 +1,195 @@
+"""The training step compiled for GPUs and TPUs that are not here, by their own compilers: memory per
+device, collectives and the roofline's step time, MFU ceiling and where the time goes.
+
+    make compilers    # once: .venv-compilers, with JAX's CUDA plugin and libtpu (requirements-compilers.txt)
+    .venv-compilers/bin/python -m bench.compile_for --config gpu8_1b [gpu1_1b ...] --target h200 [v6e ...] \\
+        [--json rows.json] [--top 10] [-- key=value ...]
+
+Each config is compiled for each target on as many devices as its mesh has (GPUs: hosts of 8; TPU
+chips: the smallest slice), with the real step (startup_report.compile_step) on abstract state: no
+device, no dataset. Targets: seqax/targets.py (h100, h200, b200, v5e, v5p, v6e). For each it prints
+the compile time; memory per device as the target's compiler plans it (memory_analysis), against
+the device's memory and memory.py's estimate; the collectives (communication.py), and how many the
+compiler made asynchronous; and the roofline (roofline.py, docs/roofline.md): step time, tokens/s,
+MFU ceiling, the time by kind, the costliest kernels with the code they came from.
+"""
+
+import os
+
+# Compile for the targets and run nothing: no device is needed, and none is looked for. The CUDA
+# plugin compiles without a driver; libtpu, without these, looks for the hosts of a TPU pod.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from functools import partial  # noqa: E402
+
+import jax  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+
+import train  # noqa: E402
+from seqax import communication, memory, roofline  # noqa: E402
+from seqax.config import SeqaxError, load_config  # noqa: E402
+from seqax.multihost import make_mesh  # noqa: E402
+from seqax.shardlib.shardtypes import abstract_arrays  # noqa: E402
+from seqax.startup_report import compile_step  # noqa: E402
+from seqax.targets import TARGETS, Target  # noqa: E402
+from seqax.validation import validate_config  # noqa: E402
+
+GiB = 2**30
+# Where the time goes, by the code a kernel came from (its innermost frame in train.py; JAX records
+# none inside a custom VJP's rules, so attention's kernels stop at the layer's `attend`).
+OPTIMIZER = ("newton_schulz", "muon_update", "adamw_update", "optimizer_step", "schedule")
+KINDS = ("matmuls", "attention", "elementwise, norms, converts", "optimizer: Newton-Schulz", "optimizer: other",
+         "communication (exposed)")
+# The compilers, by platform: the package that holds each (requirements-compilers.txt).
+COMPILERS = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin and jax-cuda12-pjrt"), "tpu": ("libtpu", "libtpu")}
+
+
+class CompilerError(SeqaxError):
+    """A target's compiler is missing or failed."""
+
+
+def category(kernel: roofline.Kernel) -> str:
+    if kernel.kind == "collective":
+        return "communication (exposed)"
+    functions = [function for file, function, _ in kernel.stack if file.endswith(("train.py", "attention.py"))]
+    files = [file for file, _, _ in kernel.stack]
+    if any(f.endswith("attend") for f in functions) or any(f.endswith("attention.py") for f in files):
+        return "attention"
+    if any(f.split(".")[0] == "newton_schulz" for f in functions):
+        return "optimizer: Newton-Schulz"
+    if any(f.split(".")[0] in OPTIMIZER for f in functions):
+        return "optimizer: other"
+    return "matmuls" if kernel.kind == "matmul" else "elementwise, norms, converts"
+
+
+def where(kernel: roofline.Kernel) -> str:
+    """The innermost frame of the kernel's stack in train.py, as train.py:function:line."""
+    frame = roofline.source(kernel, ("train.py",))
+    return f"train.py:{frame[1]}:{frame[2]}" if frame else "?"
+
+
+def target_devices(target: Target, devices: int):
+    """The devices of `devices` `target`s (a topology: JAX makes them without hardware)."""
+    module, package = COMPILERS[target.platform]
+    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+        raise CompilerError(f"the {target.platform.upper()} compiler ({package}) is not installed in this venv; "
+                            "run `make compilers` and use .venv-compilers/bin/python")
+    name, options = target.topology(devices)
+    try:
+        if target.platform == "cuda":
+            topology = topologies.get_topology_desc(target.name, "cuda", target_config=target.gpu_target_config(),
+                                                    topology=name)
+        else:
+            topology = topologies.get_topology_desc(name, "tpu", **options)
+    except Exception as e:  # the plugin's own errors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CompilerError(f"the {package} compiler could not describe {devices} x {target.name} ({name}): "
+                            f"{first}") from None
+    return topology.devices
+
+
+def compile_for(config: str, target: Target, overrides: list[str], top: int) -> dict:
+    cfg = load_config(config, overrides + ["+paths.model_name=compile_for"])
+    devices = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
+    validate_config(cfg, devices, max_token_id=cfg.model.vocab - 1, weights=train.Model)
+    mesh = make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=target_devices(target, devices))
+    with jax.set_mesh(mesh):
+        state = abstract_arrays(jax.eval_shape(lambda: train.init_state(cfg, mesh)), train.State, mesh)
+        started = time.perf_counter()
+        try:
+            compiled = compile_step(train.training_step, cfg, state, mesh)
+        except Exception as e:  # the target compiler's failure (out of memory, unsupported op, ...)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CompilerError(f"{target.name}'s compiler failed on {config}: {first[:500]}") from None
+        compile_seconds = time.perf_counter() - started
+        layer = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward)
+        estimate = sum(size for _, size in memory.memory_estimate(state, layer, train.MUON)[0])
+    hlo_text = compiled.as_text()
+    planned = memory.compiled_peak_bytes(compiled.memory_analysis())
+    collectives = communication.step_collectives(hlo_text)
+    model = roofline.roofline(hlo_text, target.rates())
+    tokens = cfg.training.tokens.batch * cfg.training.tokens.len
+    model_flops = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * tokens / devices
+    seconds = collections.Counter()
+    for kernel in model.kernels:
+        if kernel.kind != "collective":
+            seconds[category(kernel)] += kernel.total_seconds
+    seconds["communication (exposed)"] = model.exposed_communication_seconds
+    matmul_flops = sum(k.flops * k.runs for k in model.kernels)
+    costliest = sorted((k for k in model.kernels if k.kind != "collective"), key=lambda k: -k.total_seconds)[:top]
+    return {
+        "config": config, "target": target.name, "devices": devices, "topology": target.topology(devices)[0],
+        "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", "tokens_per_step": tokens,
+        "compile_seconds": compile_seconds,
+        "memory_gib": planned / GiB, "device_memory_gib": target.memory_bytes / GiB,
+        "memory_fraction": planned / target.memory_bytes, "estimate_gib": estimate / GiB,
+        "collectives_per_step": sum(c.runs for c in collectives),
+        "asynchronous_collectives": sum(k.runs for k in model.kernels if k.kind == "collective" and k.asynchronous),
+        "communication_mib": sum(c.bytes_sent * c.runs for c in collectives) / 2**20,
+        "communication_seconds": model.synchronous_seconds + model.asynchronous_seconds,
+        "step_seconds": model.step_seconds, "tokens_per_second": tokens / model.step_seconds,
+        "mfu_ceiling": model_flops / (model.step_seconds * target.peak_flops),
+        "model_tflop_per_device": model_flops / 1e12, "hlo_matmul_tflop_per_device": matmul_flops / 1e12,
+        "kernels_per_step": model.launches,
+        "seconds_by_kind": {kind: seconds[kind] for kind in KINDS},
+        "costliest": [{"name": k.name, "kind": category(k), "runs": k.runs, "seconds": k.total_seconds,
+                       "share": k.total_seconds / model.step_seconds, "tflop": k.flops * k.runs / 1e12,
+                       "gb": k.bytes * k.runs / 1e9, "where": where(k), "op": k.op_name.rsplit("/", 1)[-1]}
+                      for k in costliest],
+    }
+
+
+def report(row: dict) -> str:
+    lines = [f"{row['config']} on {row['devices']} x {row['target']} ({row['topology']}), mesh {row['mesh']}: "
+             f"compiled in {row['compile_seconds']:.1f} s",
+             f"  memory per device (the target compiler's plan): {row['memory_gib']:.1f} GiB of "
+             f"{row['device_memory_gib']:.1f} ({row['memory_fraction']:.0%}); memory.py's estimate "
+             f"{row['estimate_gib']:.1f} GiB",
+             f"  collectives: {row['collectives_per_step']:.0f} a step ({row['asynchronous_collectives']:.0f} "
+             f"asynchronous), {row['communication_mib']:.0f} MiB sent per device, "
+             f"{row['communication_seconds'] * 1e3:.1f} ms at the links' bandwidth",
+             f"  roofline: step {row['step_seconds'] * 1e3:.1f} ms, {row['tokens_per_second']:,.0f} tokens/s, "
+             f"MFU ceiling {row['mfu_ceiling']:.1%} ({row['model_tflop_per_device']:.1f} model TFLOP per device; "
+             f"the HLO's matmuls {row['hlo_matmul_tflop_per_device']:.1f}); {row['kernels_per_step']:,.0f} kernels",
+             "  where the time goes:"]
+    lines += [f"    {kind:<30} {seconds * 1e3:9.1f} ms {seconds / row['step_seconds']:6.1%}"
+              for kind, seconds in row["seconds_by_kind"].items()]
+    lines.append("  costliest kernels:")
+    lines += [f"    {k['seconds'] * 1e3:8.2f} ms {k['share']:6.1%}  x{k['runs']:<6.0f} {k['kind']:<30} "
+              f"{k['tflop']:7.2f} TFLOP {k['gb']:8.1f} GB  {k['where']} ({k['op']})" for k in row["costliest"]]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", nargs="+", required=True, help="config names (configs/NAME.yaml)")
+    parser.add_argument("--target", nargs="+", required=True, choices=sorted(TARGETS), help="devices to compile for")
+    parser.add_argument("--json", help="also write the rows there, as a JSON list")
+    parser.add_argument("--top", type=int, default=10, help="how many of the costliest kernels to list")
+    parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --")
+    args = parser.parse_args(argv)
+    rows = []
+    try:
+        for config in args.config:
+            for name in args.target:
+                rows.append(compile_for(config, TARGETS[name], args.overrides, args.top))
+                print(report(rows[-1]) + "\n", flush=True)
+    except SeqaxError as e:
+        sys.exit(f"bench.compile_for: error: {e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
+

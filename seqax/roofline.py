@@ -1,0 +1,287 @@
+"""A roofline model of a compiled step: how long the target's own compiled program takes on the
+target, kernel by kernel, read from its optimized HLO (hlo.py). docs/roofline.md explains it.
+
+Every kernel the program launches (a fusion, a library call, a copy, a collective) runs as often as
+the loops around it say (a while loop's trip count; a conditional's costlier branch: the busiest
+device's). A compute kernel takes max(FLOPs / rate, bytes / memory bandwidth) plus a fixed launch
+cost: matmul FLOPs (dots, from their shapes) at the device's matmul rate, every other arithmetic
+operation one FLOP per element at its vector rate; bytes are what the kernel must read and write
+(a dynamic slice reads its slice, an in-place update writes its update, not the whole buffer). A
+collective moves what communication.py says one device sends, at the bandwidth of the link its
+group spans (within a host, or across hosts). The compiler runs asynchronous collectives (`*-start`
+... `*-done`) beside the kernels: they are exposed only for the time by which they exceed the
+step's compute; synchronous ones are exposed whole. The step's time is its kernels' in sequence
+(one stream), plus exposed communication.
+
+It is a model, not a measurement: no caches, no kernel overlap, no autotuning (a deviceless
+compile does not tune its kernels' tiles). It says where the time must go at best, which is
+what the MFU ceiling is: model FLOPs / (the step's time x the device's peak).
+"""
+
+import dataclasses
+import math
+
+from seqax import hlo
+from seqax.communication import collective_shape, sent_bytes
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+# Instructions that move no data of their own: views, tuples, control, the end of an async op.
+PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+            "replica-id", "opt-barrier", "add-dependency", "iota"}
+# Operations that only move or view data inside a fusion: no FLOP.
+DATA_MOVEMENT = {"parameter", "bitcast", "reshape", "broadcast", "transpose", "copy", "slice", "dynamic-slice",
+                 "dynamic-update-slice", "concatenate", "pad", "tuple", "get-tuple-element", "constant", "iota",
+                 "gather", "scatter", "reverse", "bitcast-convert"}
+# A library call's name -> what it computes (GPU: cuBLAS matmuls, cuDNN fused attention).
+MATMUL_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
+ATTENTION_CALLS = ("__cudnn$fmha",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What one device can do, per second: the roofline's ceilings."""
+
+    matmul_flops: float  # dense bf16 matmul FLOP/s
+    vector_flops: float  # other arithmetic, FLOP/s (f32 on the vector units)
+    memory_bandwidth: float  # bytes/s between the device's memory and its cores
+    link_bandwidth: float  # bytes/s one device sends to the others of its host (NVLink, ICI)
+    network_bandwidth: float  # bytes/s one device sends to devices of other hosts (InfiniBand, DCN)
+    devices_per_host: int  # devices 0..n-1 share a host, n..2n-1 the next, ...
+    launch_seconds: float = 0.0  # fixed cost of launching one kernel
+
+
+@dataclasses.dataclass
+class Kernel:
+    name: str  # the instruction's name in the optimized HLO
+    kind: str  # "matmul", "attention", "memory" (everything else that computes), "collective"
+    runs: float  # per step
+    flops: float  # per run: matmul FLOPs (attention's for a fused attention call)
+    other_flops: float  # per run: the rest of its arithmetic
+    bytes: float  # per run: memory read and written, or for a collective the bytes one device sends
+    seconds: float  # per run
+    asynchronous: bool  # a collective the compiler overlaps with computation
+    stack: list  # the Python stack it came from, innermost first: (file, function, line)
+    op_name: str
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds * self.runs
+
+
+def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
+    """2 per multiply-add of a dot: 2 x its output's elements x the product of the contracted
+    dimensions of its left operand (dimension numbers from its attributes or its backend_config)."""
+    contracting = inst.attribute("lhs_contracting_dims")
+    if contracting is not None:
+        dims = [int(d) for d in contracting.strip("{}").split(",") if d]
+    else:
+        numbers = inst.backend_config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+        dims = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
+    lhs = hlo.arrays(operand_shapes[0])[0][1]
+    out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
+    return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
+
+
+def _element_count(shape: str) -> int:
+    return sum(math.prod(dims) for _, dims in hlo.arrays(shape))
+
+
+class _Program:
+    """The module, with each instruction's result shape by name (operands are written as names)."""
+
+    def __init__(self, module: hlo.Module):
+        self.module = module
+        self.shapes = {c.name: {i.name: i.shape for i in c.instructions} for c in module.computations.values()}
+
+    def operand_shapes(self, computation: str, inst: hlo.Instruction) -> list[str]:
+        return [self.shapes[computation].get(o, "") for o in inst.operands]
+
+    def fusion_cost(self, computation: str, inst: hlo.Instruction) -> tuple[float, float, float]:
+        """(matmul FLOPs, other FLOPs, bytes) of a fusion: its body's dots and arithmetic; what it
+        reads of each operand (a parameter that only dynamic-slices or slices read costs its slices,
+        one that is only updated in place costs nothing) and what it writes (an in-place update its
+        update)."""
+        body = self.module.computations[inst.calls[0]]
+        by_name = {i.name: i for i in body.instructions}
+        users: dict[str, list[hlo.Instruction]] = {}
+        for i in body.instructions:
+            for o in i.operands:
+                users.setdefault(o, []).append(i)
+
+        def read_of(name: str, whole: int) -> int:  # bytes a value costs, through views of it
+            total = 0
+            for user in users.get(name, []):
+                if user.opcode in ("bitcast", "reshape"):
+                    total += read_of(user.name, whole)
+                elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
+                    total += hlo.shape_bytes(user.shape)
+                elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+                    continue  # updated in place: the buffer is the output's
+                else:
+                    return whole
+            return min(total, whole)
+
+        params = [i for i in body.instructions if i.opcode == "parameter"]
+        read = sum(read_of(p.name, hlo.shape_bytes(p.shape)) for p in params)
+        root = body.instructions[-1] if body.instructions else None
+        roots = [by_name[o] for o in root.operands if o in by_name] if root is not None and root.opcode == "tuple" \
+            else [root] if root is not None else []
+        written = 0
+        for out in roots:
+            while out.opcode in ("bitcast", "reshape") and out.operands and out.operands[0] in by_name:
+                out = by_name[out.operands[0]]
+            if out.opcode == "dynamic-update-slice":
+                written += hlo.shape_bytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
+            else:
+                written += hlo.shape_bytes(out.shape)
+        matmul = other = 0.0
+        for i in body.instructions:
+            if i.opcode in ("dot", "convolution"):
+                matmul += dot_flops(i, [by_name[o].shape for o in i.operands if o in by_name])
+            elif i.opcode == "fusion" and i.calls:  # a nested fusion (Triton's): its own arithmetic
+                nested_matmul, nested_other, _ = self.fusion_cost(body.name, i)
+                matmul, other = matmul + nested_matmul, other + nested_other
+            elif i.opcode == "reduce":
+                other += _element_count(by_name[i.operands[0]].shape) if i.operands[0] in by_name else 0
+            elif i.opcode not in DATA_MOVEMENT:
+                other += _element_count(i.shape)
+        return matmul, other, read + written
+
+
+def _collective(inst: hlo.Instruction, operand_shapes: list[str]) -> tuple[float, list[list[int]]]:
+    """(bytes one device sends, device groups) of a collective instruction (communication.py's count)."""
+    kind = inst.opcode.removesuffix("-start")
+    groups = hlo.replica_groups(inst)
+    size = hlo.shape_bytes(collective_shape(inst, operand_shapes))
+    group = 2 if kind == "collective-permute" else len(groups[0]) if groups else 1
+    if kind == "reduce-scatter":
+        size *= group  # the result is one device's slice; the ring moves the whole array
+    return (sent_bytes(kind, size, group) if group > 1 else 0.0), groups
+
+
+def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
+    """Every kernel of the module's program with how often it runs and its time per run.
+
+    A while loop of unknown trip count (blockwise attention's loop over key blocks, whose length
+    depends on the documents) runs (n + 1) / 2 times per run of an enclosing loop of n iterations:
+    the causal triangle of one document a row, which is also what the MFU's FLOPs count; outside
+    any counted loop, once."""
+    program = _Program(module)
+    found: list[Kernel] = []
+
+    def cost(kernel: Kernel) -> float:
+        if kernel.kind == "collective":
+            return 0.0 if not kernel.bytes else kernel.bytes / kernel_link(kernel)
+        compute = kernel.flops / rates.matmul_flops + kernel.other_flops / rates.vector_flops
+        return max(compute, kernel.bytes / rates.memory_bandwidth) + rates.launch_seconds
+
+    link_of: dict[str, float] = {}
+
+    def kernel_link(kernel: Kernel) -> float:
+        return link_of[kernel.name]
+
+    def add(computation: str, inst: hlo.Instruction, runs: float, out: list, kind: str, flops=0.0, other=0.0,
+            nbytes=0.0, asynchronous=False):
+        kernel = Kernel(inst.name, kind, runs, flops, other, nbytes, 0.0, asynchronous,
+                        module.stack(inst.stack_frame), inst.op_name)
+        kernel.seconds = cost(kernel)
+        out.append(kernel)
+
+    def visit(name: str, runs: float, outer_trips: float, out: list):
+        computation = module.computations[name]
+        for inst in computation.instructions:
+            op, operands = inst.opcode, program.operand_shapes(name, inst)
+            if op in PLUMBING or op.endswith("-done") or op == "async-done":
+                continue
+            if op == "while":
+                trips = inst.trip_count if inst.trip_count is not None else (outer_trips + 1) / 2
+                visit(inst.calls[0], runs * trips, inst.trip_count or 1, out)
+            elif op == "conditional":
+                branches = []
+                for branch in inst.calls:
+                    branch_kernels: list[Kernel] = []
+                    visit(branch, runs, outer_trips, branch_kernels)
+                    branches.append(branch_kernels)
+                out.extend(max(branches, key=lambda ks: sum(k.total_seconds for k in ks)))
+            elif op in ("call", "async-start") and inst.calls:
+                called = module.computations[inst.calls[0]]
+                wrapped = [i for i in called.instructions if i.opcode in COLLECTIVES]
+                if op == "async-start" and wrapped:  # an asynchronous collective wrapped in a computation
+                    collective(inst.calls[0], wrapped[0], runs, out, asynchronous=True)
+                else:
+                    visit(inst.calls[0], runs, outer_trips, out)
+            elif op.removesuffix("-start") in COLLECTIVES:
+                collective(name, inst, runs, out, asynchronous=op.endswith("-start"))
+            elif op == "fusion":
+                matmul, other, nbytes = program.fusion_cost(name, inst)
+                add(name, inst, runs, out, "matmul" if matmul else "memory", matmul, other, nbytes)
+            elif op == "custom-call":
+                target = inst.attribute("custom_call_target") or ""
+                nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(hlo.tuple_elements(inst.shape)[0])
+                if target.startswith(MATMUL_CALLS):
+                    add(name, inst, runs, out, "matmul", dot_flops(inst, operands), 0.0, nbytes)
+                elif target.startswith(ATTENTION_CALLS):
+                    add(name, inst, runs, out, "attention", fused_attention_flops(inst, operands), 0.0, nbytes)
+                else:
+                    add(name, inst, runs, out, "memory", 0.0, 0.0, nbytes)
+            elif op in ("dot", "convolution"):
+                nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
+                add(name, inst, runs, out, "matmul", dot_flops(inst, operands), 0.0, nbytes)
+            else:  # an unfused operation: a copy, a bare add, a sort, ...
+                nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
+                other = 0.0 if op in DATA_MOVEMENT else _element_count(inst.shape)
+                add(name, inst, runs, out, "memory", 0.0, other, nbytes)
+
+    def collective(computation: str, inst: hlo.Instruction, runs: float, out: list, asynchronous: bool):
+        nbytes, groups = _collective(inst, program.operand_shapes(computation, inst))
+        spans_hosts = any(len({d // rates.devices_per_host for d in g}) > 1 for g in groups)
+        link_of[inst.name] = rates.network_bandwidth if spans_hosts else rates.link_bandwidth
+        add(computation, inst, runs, out, "collective", 0.0, 0.0, nbytes, asynchronous)
+
+    visit(hlo.entry(module.computations).name, 1.0, 1.0, found)
+    return found
+
+
+def fused_attention_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
+    """FLOPs of a fused attention library call (cuDNN's): q [B, N, L, D] against k [B, N, S, D]: QK^T
+    and PV, 2 x 2 B N L S D forward, twice that for the backward call (dQ, dK, dV and the recomputed
+    scores: 2.5x the forward, rounded to the usual 2x plus the recomputation), halved when causal."""
+    q, k = (hlo.arrays(s)[0][1] for s in operand_shapes[:2])
+    forward = 4.0 * math.prod(q) * k[-2]
+    target = inst.attribute("custom_call_target") or ""
+    causal = "causal" in inst.attributes.lower() or '"mask_type":"CAUSAL"' in inst.attributes
+    return (forward * (2.5 if "Backward" in target else 1.0)) * (0.5 if causal else 1.0)
+
+
+@dataclasses.dataclass
+class Roofline:
+    """The step's time on the target, and where it goes."""
+
+    kernels: list[Kernel]
+    compute_seconds: float  # every compute kernel, one after another
+    synchronous_seconds: float  # collectives the compiler did not overlap
+    asynchronous_seconds: float  # collectives it overlaps with compute
+    launches: float  # kernels launched per step
+
+    @property
+    def exposed_communication_seconds(self) -> float:
+        return self.synchronous_seconds + max(0.0, self.asynchronous_seconds - self.compute_seconds)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.compute_seconds + self.exposed_communication_seconds
+
+
+def roofline(hlo_text: str, rates: Rates) -> Roofline:
+    """The roofline of a compiled program (Compiled.as_text() of the target's compiler)."""
+    found = kernels(hlo.parse_module(hlo_text), rates)
+    compute = sum(k.total_seconds for k in found if k.kind != "collective")
+    synchronous = sum(k.total_seconds for k in found if k.kind == "collective" and not k.asynchronous)
+    asynchronous = sum(k.total_seconds for k in found if k.kind == "collective" and k.asynchronous)
+    return Roofline(found, compute, synchronous, asynchronous, sum(k.runs for k in found if k.kind != "collective"))
+
+
+def source(kernel: Kernel, roots: tuple[str, ...]) -> tuple[str, str, int] | None:
+    """The innermost frame of the kernel's stack in a file whose path ends with one of `roots`."""
+    return next((frame for frame in kernel.stack if frame[0].endswith(roots)), None)
+

@@ -1,0 +1,172 @@
+"""roofline.py on hand-built HLO whose answer is known: one matmul, one elementwise kernel, an
+in-place update in a loop, a loop of unknown trip count inside a counted one, a conditional (its
+costlier branch), and a collective the compiler made asynchronous against one it did not."""
+
+import pytest
+
+from seqax import roofline
+from seqax.hlo import parse_module
+
+RATES = roofline.Rates(matmul_flops=1e12, vector_flops=1e11, memory_bandwidth=1e10, link_bandwidth=1e9,
+                       network_bandwidth=1e8, devices_per_host=4, launch_seconds=1e-6)
+
+
+def module(*computations: str, entry: str) -> str:
+    return "HloModule test, is_scheduled=true\n\n" + "\n\n".join(computations + (entry,)) + "\n"
+
+
+def step(text: str) -> roofline.Roofline:
+    return roofline.roofline(text, RATES)
+
+
+def test_one_matmul_is_bound_by_its_flops():
+    text = module(entry="""ENTRY %main (a: bf16[256,512], b: bf16[512,128]) -> f32[256,128] {
+  %a = bf16[256,512]{1,0} parameter(0)
+  %b = bf16[512,128]{1,0} parameter(1)
+  ROOT %dot.1 = f32[256,128]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}""")
+    model = step(text)
+    [kernel] = model.kernels
+    flops = 2 * 256 * 128 * 512
+    nbytes = 256 * 512 * 2 + 512 * 128 * 2 + 256 * 128 * 4
+    assert (kernel.kind, kernel.runs, kernel.flops, kernel.bytes) == ("matmul", 1, flops, nbytes)
+    assert kernel.seconds == pytest.approx(max(flops / 1e12, nbytes / 1e10) + 1e-6)
+    assert model.step_seconds == kernel.seconds
+
+
+def test_one_elementwise_kernel_is_bound_by_memory():
+    text = module("""%fused_add (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
+  %p0 = f32[1000]{0} parameter(0)
+  %p1 = f32[1000]{0} parameter(1)
+  %exp.1 = f32[1000]{0} exponential(%p0)
+  ROOT %add.1 = f32[1000]{0} add(%exp.1, %p1)
+}""", entry="""ENTRY %main (x: f32[1000], y: f32[1000]) -> f32[1000] {
+  %x = f32[1000]{0} parameter(0)
+  %y = f32[1000]{0} parameter(1)
+  ROOT %fusion.1 = f32[1000]{0} fusion(%x, %y), kind=kLoop, calls=%fused_add
+}""")
+    [kernel] = step(text).kernels
+    assert (kernel.kind, kernel.flops, kernel.other_flops, kernel.bytes) == ("memory", 0, 2000, 3 * 4000)
+    assert kernel.seconds == pytest.approx(max(2000 / 1e11, 12000 / 1e10) + 1e-6)
+
+
+IN_PLACE_LOOP = module("""%fused_update (param_0: f32[4,256], param_1: s32[], param_2: f32[256]) -> f32[4,256] {
+  %param_0 = f32[4,256]{1,0} parameter(0)
+  %param_2 = f32[256]{0} parameter(2)
+  %param_1 = s32[] parameter(1)
+  %double = f32[256]{0} add(%param_2, %param_2)
+  %bitcast.1 = f32[1,256]{1,0} bitcast(%double)
+  %zero = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[4,256]{1,0} dynamic-update-slice(%param_0, %bitcast.1, %param_1, %zero)
+}""", """%body (arg: (s32[], f32[4,256], f32[256])) -> (s32[], f32[4,256], f32[256]) {
+  %arg = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %buffer = f32[4,256]{1,0} get-tuple-element(%arg), index=1
+  %x = f32[256]{0} get-tuple-element(%arg), index=2
+  %update = f32[4,256]{1,0} fusion(%buffer, %i, %x), kind=kLoop, calls=%fused_update
+  ROOT %tuple.1 = (s32[], f32[4,256]{1,0}, f32[256]{0}) tuple(%i, %update, %x)
+}""", """%cond (arg: (s32[], f32[4,256], f32[256])) -> pred[] {
+  %arg = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %true = pred[] constant(true)
+}""", entry="""ENTRY %main (state: (s32[], f32[4,256], f32[256])) -> (s32[], f32[4,256], f32[256]) {
+  %state = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %while.1 = (s32[], f32[4,256]{1,0}, f32[256]{0}) while(%state), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}""")
+
+
+def test_an_in_place_update_in_a_loop_moves_its_update_not_the_buffer():
+    """Each of the 4 iterations reads x (1 KiB) and its index, and writes one row (1 KiB): not the
+    4 KiB buffer."""
+    [kernel] = step(IN_PLACE_LOOP).kernels
+    assert (kernel.runs, kernel.bytes, kernel.other_flops) == (4, 1024 + 4 + 1024, 256)
+
+
+def test_a_loop_of_unknown_trip_count_inside_a_counted_one_runs_the_causal_triangle():
+    """A loop of unknown trip count inside one of n = 4 iterations runs (n + 1) / 2 = 2.5 times per
+    outer iteration (the key blocks a query block of one document sees, on average)."""
+    inner = IN_PLACE_LOOP.split("ENTRY")[0].replace("%body (", "%inner (").replace("%cond (", "%inner_cond (")
+    outer = inner + """%outer (arg: (s32[], f32[4,256], f32[256])) -> (s32[], f32[4,256], f32[256]) {
+  %arg = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %while.2 = (s32[], f32[4,256]{1,0}, f32[256]{0}) while(%arg), condition=%inner_cond, body=%inner
+}
+
+%outer_cond (arg: (s32[], f32[4,256], f32[256])) -> pred[] {
+  %arg = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %true = pred[] constant(true)
+}
+
+ENTRY %main (state: (s32[], f32[4,256], f32[256])) -> (s32[], f32[4,256], f32[256]) {
+  %state = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %while.1 = (s32[], f32[4,256]{1,0}, f32[256]{0}) while(%state), condition=%outer_cond, body=%outer, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+    [kernel] = step("HloModule test\n\n" + outer).kernels
+    assert kernel.runs == 4 * 2.5
+
+
+def test_a_conditional_costs_its_costlier_branch():
+    text = module("""%small (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  ROOT %neg.1 = f32[16]{0} negate(%p)
+}""", """%large (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  %big = f32[1000000]{0} broadcast(%p), dimensions={}
+  %e = f32[1000000]{0} exponential(%big)
+  ROOT %s = f32[16]{0} slice(%e), slice={[0:16]}
+}""", entry="""ENTRY %main (pred: pred[], x: f32[16]) -> f32[16] {
+  %pred = pred[] parameter(0)
+  %x = f32[16]{0} parameter(1)
+  ROOT %conditional.1 = f32[16]{0} conditional(%pred, %x, %x), true_computation=%large, false_computation=%small
+}""")
+    names = {k.name for k in step(text).kernels}
+    assert "e" in names and "neg.1" not in names
+
+
+COLLECTIVES = """ENTRY %main (x: f32[1000]) -> (f32[4000], f32[8000]) {
+  %x = f32[1000]{0} parameter(0)
+  %all-gather-start.1 = (f32[1000]{0}, f32[4000]{0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %all-gather-done.1 = f32[4000]{0} all-gather-done(%all-gather-start.1)
+  %all-gather.2 = f32[8000]{0} all-gather(%x), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}
+  ROOT %t = (f32[4000]{0}, f32[8000]{0}) tuple(%all-gather-done.1, %all-gather.2)
+}"""
+
+
+def test_collectives_take_their_links_and_only_what_is_not_overlapped_is_exposed():
+    """Within a host of 4 devices, an asynchronous all-gather into 16000 bytes sends 3/4 of them at
+    the link's 1 GB/s and hides behind no compute here, so all of it is exposed; a synchronous one
+    over all 8 devices (into 32000 bytes) spans two hosts and goes at the network's 0.1 GB/s."""
+    model = step(module(entry=COLLECTIVES))
+    by_name = {k.name: k for k in model.kernels}
+    inside, across = by_name["all-gather-start.1"], by_name["all-gather.2"]
+    assert inside.asynchronous and not across.asynchronous
+    assert inside.bytes == 0.75 * 16000 and inside.seconds == pytest.approx(0.75 * 16000 / 1e9)
+    assert across.bytes == 7 / 8 * 32000 and across.seconds == pytest.approx(7 / 8 * 32000 / 1e8)
+    assert model.exposed_communication_seconds == pytest.approx(inside.seconds + across.seconds)
+
+
+def test_the_python_stack_of_a_kernel_is_read_from_the_module():
+    text = """HloModule m
+
+FileNames
+1 "/repo/train.py"
+
+FunctionNames
+1 "forward"
+2 "training_step"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=2 line=20 end_line=20 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=2 parent_frame_id=0}
+2 {file_location_id=1 parent_frame_id=2}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %neg = f32[8]{0} negate(%x), metadata={op_name="jit(f)/neg" stack_frame_id=2}
+}
+"""
+    [kernel] = roofline.kernels(parse_module(text), RATES)
+    assert kernel.stack == [("/repo/train.py", "forward", 10), ("/repo/train.py", "training_step", 20)]
+    assert kernel.op_name == "jit(f)/neg"
