@@ -353,19 +353,20 @@ def adamw_update(training: TrainingConfig, step, lr, w, g, mu, nu):
 
 
 def newton_schulz(G):
-    """U V^T of G = U S V^T [rows, cols] (rows <= cols), approximately: X <- aX + (bA + cA^2)X with
-    A = X X^T (the smaller Gram matrix), from X = G / ||G|| (every singular value at most 1), whose
-    coefficients Jordan et al. 2024 chose to bring singular values to about [0.7, 1.2] fast. Operands
-    in MATMUL_DTYPE, sums in float32."""
+    """U V^T of each matrix G = U S V^T [..., rows, cols] (rows <= cols), approximately: X <- aX +
+    (bA + cA^2)X with A = X X^T (the smaller Gram matrix), from X = G / ||G|| (every singular value at
+    most 1), whose coefficients Jordan et al. 2024 chose to bring singular values to about [0.7, 1.2]
+    fast. A stack of matrices goes as batched matmuls: a few large kernels, not many small ones.
+    Operands in MATMUL_DTYPE, sums in float32."""
     a, b, c = 3.4445, -4.7750, 2.0315
     mm = partial(jnp.einsum, preferred_element_type=jnp.float32)
     X = G.astype(jnp.float32)
-    X = X / (jnp.sqrt(jnp.sum(X * X)) + 1e-7)
+    X = X / (jnp.sqrt(jnp.sum(X * X, axis=(-2, -1), keepdims=True)) + 1e-7)
     for _ in range(NEWTON_SCHULZ_STEPS):
         X_ = X.astype(MATMUL_DTYPE)
-        A = mm("ik,jk->ij", X_, X_)  # X X^T, contracting both on their last dimension: no transposed copy
-        B = b * A + c * mm("ij,jk->ik", A.astype(MATMUL_DTYPE), A.astype(MATMUL_DTYPE))
-        X = a * X + mm("ij,jk->ik", B.astype(MATMUL_DTYPE), X_)
+        A = mm("...ik,...jk->...ij", X_, X_)  # X X^T, contracting both on their last dimension: no transposed copy
+        B = b * A + c * mm("...ij,...jk->...ik", A.astype(MATMUL_DTYPE), A.astype(MATMUL_DTYPE))
+        X = a * X + mm("...ij,...jk->...ik", B.astype(MATMUL_DTYPE), X_)
     return X
 
 
@@ -383,16 +384,15 @@ def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, rows:
     matrices = whole.reshape(whole.shape[0], fan_in, fan_out)
 
     def wide(x):  # newton_schulz takes rows <= cols: a tall matrix goes as its transpose
-        return jnp.swapaxes(x, 1, 2) if fan_in > fan_out else x
-
-    def orthogonalize(matrices):
-        return lax.map(newton_schulz, matrices)  # one matrix at a time
+        # XLA:CPU only: the barrier materializes the transpose, which XLA:CPU would otherwise fold
+        # into a batched bf16 matmul that its runtime cannot run (DotThunk: "BF16 x BF16 = F32").
+        return lax.optimization_barrier(jnp.swapaxes(x, 1, 2)) if fan_in > fan_out else x
 
     def skip(matrices):
         return jnp.zeros_like(matrices, jnp.float32)
 
     first = lax.axis_index(("d", "c", "t")) * whole.shape[0]  # a device that holds padding only skips the work
-    update = wide(lax.cond(first < layers, orthogonalize, skip, wide(matrices)).astype(MATMUL_DTYPE))
+    update = wide(lax.cond(first < layers, newton_schulz, skip, wide(matrices)).astype(MATMUL_DTYPE))
     update = all_to_all(inverse(spread), update.reshape(whole.shape))  # back to the weight's sharding
     scale = math.sqrt(max(1.0, fan_out / fan_in))
     w = w - lr * (scale * update[:layers].astype(jnp.float32) + training.muon_weight_decay * w)
