@@ -9,9 +9,10 @@ Each config is compiled for each target on as many devices as its mesh has (GPUs
 chips: the smallest slice), with the real step (startup_report.compile_step) on abstract state: no
 device, no dataset. Targets: seqax/targets.py (h100, h200, b200, v5e, v5p, v6e). For each it prints
 the compile time; memory per device as the target's compiler plans it (memory_analysis), against
-the device's memory and memory.py's estimate; the collectives (communication.py), and how many the
-compiler made asynchronous; and the roofline (roofline.py, docs/roofline.md): step time, tokens/s,
-MFU ceiling, the time by kind, the costliest kernels with the code they came from.
+the device's memory and memory.py's estimate; the collectives (bytes as communication.py counts
+them), and how many the compiler made asynchronous; and the roofline (roofline.py,
+docs/roofline.md): step time, tokens/s, MFU ceiling, the time by kind, the costliest kernels with
+the code they came from.
 """
 
 import os
@@ -35,7 +36,7 @@ import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 import train  # noqa: E402
-from seqax import communication, memory, roofline  # noqa: E402
+from seqax import memory, roofline  # noqa: E402
 from seqax.config import SeqaxError, load_config  # noqa: E402
 from seqax.multihost import make_mesh  # noqa: E402
 from seqax.shardlib.shardtypes import abstract_arrays  # noqa: E402
@@ -115,8 +116,8 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         estimate = sum(size for _, size in memory.memory_estimate(state, layer, train.MUON)[0])
     hlo_text = compiled.as_text()
     planned = memory.compiled_peak_bytes(compiled.memory_analysis())
-    collectives = communication.step_collectives(hlo_text)
     model = roofline.roofline(hlo_text, target.rates())
+    collectives = [k for k in model.kernels if k.kind == "collective"]
     tokens = cfg.training.tokens.batch * cfg.training.tokens.len
     model_flops = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * tokens / devices
     seconds = collections.Counter()
@@ -133,8 +134,8 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "memory_gib": planned / GiB, "device_memory_gib": target.memory_bytes / GiB,
         "memory_fraction": planned / target.memory_bytes, "estimate_gib": estimate / GiB,
         "collectives_per_step": sum(c.runs for c in collectives),
-        "asynchronous_collectives": sum(k.runs for k in model.kernels if k.kind == "collective" and k.asynchronous),
-        "communication_mib": sum(c.bytes_sent * c.runs for c in collectives) / 2**20,
+        "asynchronous_collectives": sum(c.runs for c in collectives if c.asynchronous),
+        "communication_mib": sum(c.bytes * c.runs for c in collectives) / 2**20,
         "communication_seconds": model.synchronous_seconds + model.asynchronous_seconds,
         "step_seconds": model.step_seconds, "tokens_per_second": tokens / model.step_seconds,
         "mfu_ceiling": model_flops / (model.step_seconds * target.peak_flops),

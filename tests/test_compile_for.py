@@ -1,0 +1,82 @@
+"""bench/compile_for.py with the real GPU and TPU compilers (.venv-compilers, `make compilers`): the
+synthetic config's step compiled for one H200, for a host of 8 and for a TPU v6e host fits their
+memory, has its collectives where the mesh needs them (asynchronous on the GPUs), and the
+roofline's matmul FLOPs are exactly what the code computes: the model's, plus what blockwise
+attention computes beyond the causal half and recomputes, plus Muon's Newton-Schulz."""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+import train
+from fixtures import ROOT
+from seqax.config import load_config
+
+COMPILERS_PYTHON = os.path.join(ROOT, ".venv-compilers", "bin", "python")
+pytestmark = pytest.mark.slow  # real compiles, 10-30 s each
+
+
+def compile_for(tmp_path, name: str, configs: list[str], targets: list[str], *overrides: str) -> list[dict]:
+    assert os.path.exists(COMPILERS_PYTHON), "the compilers' venv is missing: run `make compilers` (make test does)"
+    rows = tmp_path / f"{name}.json"
+    command = [COMPILERS_PYTHON, "-m", "bench.compile_for", "--config", *configs, "--target", *targets,
+               "--json", str(rows), "--", *overrides]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(rows.read_text())
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory):
+    """local_test_synthetic as it is (mesh d=4 t=2) on 8 H200s and on a TPU v6e host of 8 chips."""
+    return {row["target"]: row for row in compile_for(tmp_path_factory.mktemp("eight"), "eight",
+                                                      ["local_test_synthetic"], ["h200", "v6e"])}
+
+
+def test_the_step_fits_each_device_and_its_compiler_says_how(eight_devices):
+    for row in eight_devices.values():
+        assert 0 < row["memory_gib"] < 0.9 * row["device_memory_gib"], row
+        assert row["estimate_gib"] > 0 and row["compile_seconds"] > 0
+        assert 0 < row["mfu_ceiling"] < 1 and row["step_seconds"] > 0
+        assert abs(sum(row["seconds_by_kind"].values()) / row["step_seconds"] - 1) < 1e-6  # where the time goes: all of it
+
+
+def test_the_collectives_of_fsdp_and_tensor_parallelism_are_found(eight_devices):
+    """d=4 t=2: the layers' weights are gathered and their gradients reduce-scattered every step; the
+    GPU compiler runs its collectives asynchronously (beside the kernels)."""
+    gpu = eight_devices["h200"]
+    assert gpu["collectives_per_step"] > 20 and gpu["communication_mib"] > 0
+    assert gpu["asynchronous_collectives"] > 0
+    assert eight_devices["v6e"]["collectives_per_step"] > 20
+
+
+def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path):
+    """One H200 (mesh 1x1): the HLO's matmul FLOPs are the model's (6 per parameter of the matrices a
+    token goes through, and attention's causal half, x 3 for forward and backward) with attention's
+    replaced by what the blockwise kernel computes (every block pair on or below the diagonal: forward
+    QK^T and PV, backward QK^T again, dV, dP, dQ and dK: 14 B H b^2 D a pair, N(N + 1)/2 pairs of N
+    blocks), plus Newton-Schulz on the one device."""
+    [row] = compile_for(tmp_path, "one", ["local_test_synthetic"], ["h200"], "mesh.d=1", "mesh.t=1")
+    cfg = load_config("local_test_synthetic", ["+paths.model_name=x", "mesh.d=1", "mesh.t=1"])
+    h, B, L = cfg.model, cfg.training.tokens.batch, cfg.training.tokens.len
+    heads, b = h.n_q_per_kv * h.n_kv, h.attention_block
+    N = L // b
+    attention_model = h.layers * 6 * B * heads * h.d_head * L * L  # 3 x 2 x 2 x (QK^T and PV over half the keys)
+    attention_blockwise = h.layers * 14 * B * heads * b * b * h.d_head * N * (N + 1) / 2
+    model = train.model_flops_per_token(h, L) * B * L
+    _, newton_schulz = train.newton_schulz_flops(h, 1)
+    expected = model - attention_model + attention_blockwise + newton_schulz
+    assert row["model_tflop_per_device"] * 1e12 == pytest.approx(model, rel=1e-9)
+    assert row["hlo_matmul_tflop_per_device"] * 1e12 == pytest.approx(expected, rel=1e-3), (row, expected)
+
+
+def test_a_compiler_that_is_not_installed_is_one_line(tmp_path):
+    """The tool in the ordinary venv, which has no GPU compiler: one line naming it, exit 1."""
+    result = subprocess.run([os.path.join(ROOT, ".venv", "bin", "python"), "-m", "bench.compile_for", "--config",
+                             "local_test_synthetic", "--target", "h200"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert "jax-cuda12-plugin" in lines[0] and "make compilers" in lines[0]
