@@ -40,7 +40,8 @@ def test_the_step_fits_each_device_and_its_compiler_says_how(eight_devices):
         assert 0 < row["memory_gib"] < 0.9 * row["device_memory_gib"], row
         assert row["estimate_gib"] > 0 and row["compile_seconds"] > 0
         assert 0 < row["mfu_ceiling"] < 1 and row["step_seconds"] > 0
-        assert abs(sum(row["seconds_by_kind"].values()) / row["step_seconds"] - 1) < 1e-6  # where the time goes: all of it
+        # where the time goes: all of it
+        assert abs(sum(row["seconds_by_kind"].values()) / row["step_seconds"] - 1) < 1e-6
 
 
 def test_the_collectives_of_fsdp_and_tensor_parallelism_are_found(eight_devices):
