@@ -6,12 +6,14 @@ the loops around it say (a while loop's trip count; a conditional's costlier bra
 device's). A compute kernel takes max(FLOPs / rate, bytes / memory bandwidth) plus a fixed launch
 cost: matmul FLOPs (dots, from their shapes) at the device's matmul rate, every other arithmetic
 operation one FLOP per element at its vector rate; bytes are what the kernel must read and write
-(a dynamic slice reads its slice, an in-place update writes its update, not the whole buffer). A
-collective moves what communication.py says one device sends, at the bandwidth of the link its
-group spans (within a host, or across hosts). The compiler runs asynchronous collectives (`*-start`
-... `*-done`) beside the kernels: they are exposed only for the time by which they exceed the
-step's compute; synchronous ones are exposed whole. The step's time is its kernels' in sequence
-(one stream), plus exposed communication.
+(a dynamic slice reads its slice, an in-place update writes its update, not the whole buffer).
+A kernel whose inside XLA cannot see (a Pallas call) costs the matmul FLOPs it states
+(stated_flops) and its operands' and results' bytes. A collective moves what communication.py
+says one device sends, at the bandwidth of the link its group spans (within a host, or across
+hosts). The compiler runs asynchronous collectives (`*-start` ... `*-done`) beside the kernels:
+they are exposed only for the time by which they exceed the step's compute; synchronous ones are
+exposed whole. The step's time is its kernels' in sequence (one stream), plus exposed
+communication.
 
 It is a model, not a measurement: no caches, no kernel overlap, no autotuning (a deviceless
 compile does not tune its kernels' tiles). It says where the time must go at best, which is
@@ -20,6 +22,7 @@ what the MFU ceiling is: model FLOPs / (the step's time x the device's peak).
 
 import dataclasses
 import math
+import re
 
 from seqax import hlo
 from seqax.communication import collective_shape, sent_bytes
@@ -35,6 +38,14 @@ DATA_MOVEMENT = {"parameter", "bitcast", "reshape", "broadcast", "transpose", "c
 # A library call's name -> what it computes (GPU: cuBLAS matmuls, cuDNN fused attention).
 MATMUL_CALLS = ("__cublas$gemm", "__cublas$lt$matmul")
 ATTENTION_CALLS = ("__cudnn$fmha",)
+# A kernel of our own (a Pallas call) states the matmul FLOPs it does in a name scope around it,
+# since its HLO is opaque: `with jax.named_scope(stated_flops(n))`. Its op_name then holds the scope.
+_STATED_FLOPS = re.compile(r"\bmatmul_flops=(\d+)")
+
+
+def stated_flops(flops: int) -> str:
+    """The name scope by which a kernel that XLA cannot look into states its matmul FLOPs per run."""
+    return f"matmul_flops={int(flops)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +233,8 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                     add(name, inst, runs, out, "matmul", dot_flops(inst, operands), 0.0, nbytes)
                 elif target.startswith(ATTENTION_CALLS):
                     add(name, inst, runs, out, "attention", fused_attention_flops(inst, operands), 0.0, nbytes)
+                elif stated := _STATED_FLOPS.search(inst.op_name):
+                    add(name, inst, runs, out, "matmul", float(stated.group(1)), 0.0, nbytes)
                 else:
                     add(name, inst, runs, out, "memory", 0.0, 0.0, nbytes)
             elif op in ("dot", "convolution"):

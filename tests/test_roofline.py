@@ -1,6 +1,7 @@
 """roofline.py on hand-built HLO whose answer is known: one matmul, one elementwise kernel, an
 in-place update in a loop, a loop of unknown trip count inside a counted one, a conditional (its
-costlier branch), and a collective the compiler made asynchronous against one it did not."""
+costlier branch), a collective the compiler made asynchronous against one it did not, and a
+Pallas kernel that states its FLOPs."""
 
 import pytest
 
@@ -32,6 +33,25 @@ def test_one_matmul_is_bound_by_its_flops():
     assert (kernel.kind, kernel.runs, kernel.flops, kernel.bytes) == ("matmul", 1, flops, nbytes)
     assert kernel.seconds == pytest.approx(max(flops / 1e12, nbytes / 1e10) + 1e-6)
     assert model.step_seconds == kernel.seconds
+
+
+def test_a_kernel_that_states_its_flops_costs_them():
+    """A custom call whose inside XLA cannot see (a Pallas kernel) costs the matmul FLOPs stated in a
+    name scope around it, wherever autodiff put that scope in the op_name; without one, its bytes only."""
+    def call(op_name: str) -> roofline.Kernel:
+        [kernel] = step(module(entry=f"""ENTRY %main (a: bf16[256,512]) -> bf16[256,512] {{
+  %a = bf16[256,512]{{1,0}} parameter(0)
+  ROOT %pallas_call.1 = bf16[256,512]{{1,0}} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton", metadata={{op_name="{op_name}"}}
+}}""")).kernels
+        return kernel
+
+    scope = roofline.stated_flops(3e9)
+    assert scope == "matmul_flops=3000000000"
+    kernel = call(f"jit(step)/transpose(jvp({scope}))/flash_dq/pallas_call")
+    nbytes = 2 * 256 * 512 * 2
+    assert (kernel.kind, kernel.flops, kernel.bytes) == ("matmul", 3e9, nbytes)
+    assert kernel.seconds == pytest.approx(max(3e9 / 1e12, nbytes / 1e10) + 1e-6)
+    assert (call("jit(step)/some_kernel/pallas_call").kind, call("jit(step)/pallas_call").flops) == ("memory", 0)
 
 
 def test_one_elementwise_kernel_is_bound_by_memory():
