@@ -3,8 +3,10 @@
     dense_attention        every score materialized: the oracle for tests and benchmarks, and
                            sample.py's attention of new tokens over its KV cache (L is small)
     causal_document_mask   which keys each query may see: not later, and in the same document
-    ring_attention         the training kernel: blocks, online softmax, key and value blocks
-                           passed around the devices of mesh axis c, a hand-written backward
+    reference_attention    training's attention as one readable function: dense_attention over
+                           whole rows, its gradient autodiff's (the place to change the math)
+    ring_attention         the blockwise kernel in XLA ops: blocks, online softmax, key and value
+                           blocks passed around the devices of mesh axis c, a hand-written backward
 
 Shapes (per device inside shard_map, as train.py's legend names them): q [B, L, Q, K, D],
 k and v [B, S, K, D], doc_start [B, L] (where each token's document starts, train.py's
@@ -21,7 +23,7 @@ from jax import lax
 
 from seqax.jax_extra import save_in_forward_rule
 from seqax.shardlib.bits import through_bits
-from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
+from seqax.shardlib.shardops import all_gather, axis_size, einsum_unreduced, ring_pass
 
 
 def causal_document_mask(q_position, k_position, q_doc_start, k_doc_start):
@@ -41,6 +43,20 @@ def dense_attention(q, k, v, mask):
     probs = jnp.exp(logits)
     probs = (probs / jnp.sum(probs, axis=-1, keepdims=True)).astype(v.dtype)
     return einsum_unreduced("B/d Q K/t L S, B/d S K/t D -> B/d L Q K/t D", probs, v).astype(q.dtype)
+
+
+def reference_attention(q, k, v, doc_start, row_position, block: int):
+    """Training's attention as the specification says it, for every kernel's interface: the keys,
+    values, document starts and row positions of all devices of mesh axis c gathered into whole
+    rows, then dense_attention with causal_document_mask. Its gradient is autodiff's, so a change of
+    the math here (a soft cap on the scores, a bias, another mask) needs no backward pass written by
+    hand; it keeps every score of a row at once (L x L per head), so it is slow and large: the
+    kernels are checked against it, and model.attention_kernel=reference runs it. k and v cross the
+    wire as float32, so that their gradients are summed over c in float32 (the gather's transpose)."""
+    del block  # one block: the whole row
+    k, v = (all_gather("B/d S/c K/t D -> B/d S K/t D", x.astype(jnp.float32)).astype(x.dtype) for x in (k, v))
+    k_doc_start, k_position = all_gather("B/d S/c -> B/d S", doc_start), all_gather("S/c -> S", row_position)
+    return dense_attention(q, k, v, causal_document_mask(row_position, k_position, doc_start, k_doc_start))
 
 
 # Attention by blocks (the algorithm of FlashAttention, Dao et al. 2022, in XLA ops) around a
@@ -276,3 +292,4 @@ def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
 
 
 ring_attention.defvjp(ring_attention_forward_saving, ring_attention_backward)
+

@@ -1,0 +1,141 @@
+"""Flash attention around the context-parallel ring: attention.ring_attention's contract (the same
+arguments, the same numbers up to rounding) with each ring step one Pallas kernel, flash_gpu.py's
+on GPUs (and, in Pallas's interpret mode, on CPUs), flash_tpu.py's on TPUs.
+
+Each ring step runs the forward kernel on the visiting key and value shard, which gives that
+shard's output and log-sum-exp; the steps merge exactly (o = sum_s exp(lse_s - lse) o_s, lse =
+logsumexp_s lse_s). The backward pass runs the ring again: each step's kernels take the merged o
+and lse, so that P = exp(S - lse) is that shard's share of the whole softmax and the step's
+gradients are its share of the whole gradient; dq adds up here, and each shard's dk and dv travel
+with it round the ring until they come home. With c = 1 the ring is one step, and the kernels
+write their results in the inputs' dtype; with c > 1 in float32, rounded once after the sums.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqax import flash_gpu, flash_tpu
+from seqax.flash_blocks import F32, Tiling
+from seqax.jax_extra import save_in_forward_rule
+from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
+
+LOWERINGS = {"gpu": flash_gpu, "tpu": flash_tpu}
+# What travels round the ring, in the model's layout: k, v (and their gradients), doc_start, row_position.
+KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")
+# Block sizes that compile for an H200 (D = 128) and a TPU v6e, untuned (no device to time them on):
+# on a GPU 64 x 64 up to 3 query heads per kv head, 32 x 64 beyond (at Q = 4 and 64 query rows the
+# backward kernels ask for 297 KiB of shared memory, over the H200's 227 KiB); on a TPU 256 x 256
+# (v6e's matrix unit is 256 wide).
+GPU_BLOCK_Q, GPU_BLOCK_Q_MANY_HEADS, GPU_BLOCK_K, TPU_BLOCK = 64, 32, 64, 256
+
+
+def tiling_for(platform: str, q_per_kv: int, attention_block: int, length: int) -> Tiling:
+    """The kernels' blocks on `platform`: the largest divisors of the preferred sizes that divide
+    model.attention_block, which validation.py has checked divides each chunk of a device's
+    `length` positions. A TPU block's lanes must be whole: a block that is not a multiple of 128
+    becomes the whole length. On a CPU, the GPU kernels in Pallas's interpret mode."""
+    if platform == "tpu":
+        block = math.gcd(TPU_BLOCK, attention_block)
+        block = block if block % 128 == 0 else length
+        return Tiling("tpu", block, block)
+    block_q = GPU_BLOCK_Q if q_per_kv <= 3 else GPU_BLOCK_Q_MANY_HEADS
+    return Tiling("gpu", math.gcd(block_q, attention_block), math.gcd(GPU_BLOCK_K, attention_block),
+                  interpret=platform == "cpu")
+
+
+def merge(o, lse, o_step, lse_step):
+    """Two results over disjoint sets of keys as one: o [B, L, Q, K, D] and lse [B, L, Q, K]
+    (float32), each o weighted by its share exp(lse_s - lse) of the joint softmax. A query that
+    has seen no key on either side keeps o = 0, lse = -inf."""
+    joint = jnp.logaddexp(lse, lse_step)
+    safe = jnp.where(joint == -jnp.inf, 0.0, joint)
+    return o * jnp.exp(lse - safe)[..., None] + o_step * jnp.exp(lse_step - safe)[..., None], joint
+
+
+def ring_forward(q, shard, tiling: Tiling):
+    """(o [B, L, Q, K, D] in q's dtype, lse [B, L, Q, K] float32) of q over every device's keys:
+    c ring steps, starting with this device's own shard = (k, v, doc_start, row_position)."""
+    lowering = LOWERINGS[tiling.lowering]
+    _, _, q_doc_start, q_position = shard  # the queries' too: this device's own shard
+
+    def attend(shard, o_dtype):
+        k, v, k_doc_start, k_position = shard
+        return lowering.forward(q, k, v, q_doc_start, k_doc_start, q_position, k_position, tiling, o_dtype)
+
+    if axis_size("c") == 1:
+        return attend(shard, q.dtype)
+
+    def ring_step(carry, _):
+        o, lse, shard = carry
+        arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, shard))  # sent before the work
+        return (*merge(o, lse, *attend(shard, F32)), arriving), None
+
+    # zeros_like and full_like: the carry varies over the same mesh axes as q
+    o, lse = jnp.zeros_like(q, F32), jnp.full_like(q[..., 0], -jnp.inf, F32)
+    (o, lse, _), _ = lax.scan(ring_step, (o, lse, shard), None, length=axis_size("c"))
+    return o.astype(q.dtype), lse
+
+
+def ring_backward(tiling: Tiling, saved, do):
+    """Gradients of q, k, v from the output's gradient do [B, L, Q, K, D]: the ring again, each
+    shard's dk and dv travelling with it (attention.ring_attention_backward's order of transfers)."""
+    q, k, v, o, lse, doc_start, row_position = saved
+    lowering = LOWERINGS[tiling.lowering]
+    q_doc_start, q_position = doc_start.astype(jnp.int32), row_position.astype(jnp.int32)
+    # rowsum(dO * O) = rowsum(dP * P): the softmax's Jacobian applied to dP, once for every ring step
+    delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
+
+    def gradients(shard, dtype):
+        k, v, k_doc_start, k_position = shard
+        return lowering.backward(q, k, v, do.astype(q.dtype), lse, delta, q_doc_start, k_doc_start, q_position,
+                                 k_position, tiling, dtype)
+
+    own = (k, v, q_doc_start, q_position)
+    if axis_size("c") == 1:
+        return (*gradients(own, q.dtype), None, None)
+
+    def ring_step(carry, _):
+        dq, shard, dk_dv = carry
+        # Both transfers start before the work: the next shard, and the gradients of the shard held
+        # last step on to its next holder (step 0 passes zeros, the price of the overlap).
+        arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, shard))
+        dk_in, dv_in = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)
+        dq_step, dk, dv = gradients(shard, F32)
+        return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
+
+    carry = (jnp.zeros_like(q, F32), own, (jnp.zeros_like(k, F32), jnp.zeros_like(v, F32)))
+    (dq, _, dk_dv), _ = lax.scan(ring_step, carry, None, length=axis_size("c"))
+    dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None  # integers: no cotangent
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring_flash_attention(q, k, v, doc_start, row_position, tiling: Tiling):
+    return ring_forward(q, (k, v, doc_start.astype(jnp.int32), row_position.astype(jnp.int32)), tiling)[0]
+
+
+def _forward_saving(q, k, v, doc_start, row_position, tiling: Tiling):
+    """The forward pass under differentiation. Kept for the backward pass (marked, so that layer
+    rematerialization keeps them too): q, k, v, the output and its log-sum-exp; doc_start and
+    row_position are the layer's arguments."""
+    q, k, v = (save_in_forward_rule(x) for x in (q, k, v))
+    o, lse = ring_forward(q, (k, v, doc_start.astype(jnp.int32), row_position.astype(jnp.int32)), tiling)
+    o, lse = save_in_forward_rule(o), save_in_forward_rule(lse)
+    return o, (q, k, v, o, lse, doc_start, row_position)
+
+
+_ring_flash_attention.defvjp(_forward_saving, ring_backward)
+
+
+def ring_flash_attention(q, k, v, doc_start, row_position, block: int, platform: str):
+    """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, S, K, D]
+    and the keys and values of every other device of mesh axis c, by the Pallas kernels for
+    `platform` ("gpu", "tpu"; "cpu" interprets the GPU kernels), in blocks that divide `block`
+    (tiling_for); doc_start [B, L] and row_position [L] as attention.ring_attention takes them.
+    Runs inside shard_map."""
+    tiling = tiling_for(platform, q.shape[2], block, q.shape[1])
+    return _ring_flash_attention(q, k, v, doc_start, row_position, tiling)
