@@ -41,7 +41,7 @@ from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
 from seqax import run_lock
-from seqax.attention import ring_attention
+from seqax.attention import training_attention
 from seqax.checkpoint import Checkpointer
 from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict
 from seqax.data_loader import make_loader, zigzag_chunks
@@ -209,7 +209,7 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
     v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE)
     q, k = rope(q, *rotation).astype(MATMUL_DTYPE), rope(k, *rotation).astype(MATMUL_DTYPE)
-    # Training's attend (attention.ring_attention) keeps q, k, v as head blocks, o and its log-sum-exp for backward.
+    # Training's attend (attention.training_attention's kernel) keeps q, k, v, o and its log-sum-exp for backward.
     o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
     w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, MATMUL_DTYPE)
     out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
@@ -235,9 +235,13 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
 def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"],
                    sin: f32[b"B/d L/c R"], cos: f32[b"B/d L/c R"], row_position: u32[b"L/c"]) -> f32[b"B/d L/c M/t"]:
     """transformer_layer as training runs it: causal attention within documents, by blocks, over
-    the keys of every device of the c ring (row_position: where each token sits in the row)."""
+    the keys of every device of the c ring (row_position: where each token sits in the row), by the
+    kernel model.attention_kernel names: "auto" is the fast one for the mesh's platform (Pallas on GPUs
+    and TPUs, blockwise on CPUs); "reference" is the readable one whose gradient is autodiff's (README)."""
+    attention = training_attention(h.attention_kernel)
+
     def attend(q, k, v):
-        return ring_attention(q, k, v, doc_start, row_position, h.attention_block), None
+        return attention(q, k, v, doc_start, row_position, h.attention_block), None
 
     return transformer_layer(h, x, w, (sin, cos), attend)[0]
 

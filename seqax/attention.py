@@ -7,6 +7,8 @@
                            whole rows, its gradient autodiff's (the place to change the math)
     ring_attention         the blockwise kernel in XLA ops: blocks, online softmax, key and value
                            blocks passed around the devices of mesh axis c, a hand-written backward
+    kernel_for             which of them (or flash_attention.ring_flash_attention, the Pallas
+                           kernels) training runs: model.attention_kernel, "auto" by the platform
 
 Shapes (per device inside shard_map, as train.py's legend names them): q [B, L, Q, K, D],
 k and v [B, S, K, D], doc_start [B, L] (where each token's document starts, train.py's
@@ -21,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqax.config import ATTENTION_KERNELS
+from seqax.flash_attention import ring_flash_attention
 from seqax.jax_extra import save_in_forward_rule
 from seqax.shardlib.bits import through_bits
 from seqax.shardlib.shardops import all_gather, axis_size, einsum_unreduced, ring_pass
@@ -293,3 +297,23 @@ def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
 
 ring_attention.defvjp(ring_attention_forward_saving, ring_attention_backward)
 
+
+def kernel_for(kernel: str, platform: str):
+    """The attention kernel that model.attention_kernel names, for `platform` (JAX's: "cpu", "gpu",
+    "tpu"), as a function (q, k, v, doc_start, row_position, block) -> o: "pallas" the flash kernels
+    (flash_attention.py; on a CPU in Pallas's interpret mode, which only runs in a shard_map that does
+    not check varying mesh axes: tests/test_flash_attention.py), "blockwise" ring_attention,
+    "reference" reference_attention, and "auto" the fastest on the platform: Pallas on GPUs and
+    TPUs, blockwise on CPUs. All compute the same attention, up to rounding."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; one of {ATTENTION_KERNELS}")
+    if kernel == "auto":
+        kernel = "blockwise" if platform == "cpu" else "pallas"
+    return {"pallas": partial(ring_flash_attention, platform=platform), "blockwise": ring_attention,
+            "reference": reference_attention}[kernel]
+
+
+def training_attention(kernel: str):
+    """kernel_for(kernel, the platform of the mesh the caller runs on), inside shard_map."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return kernel_for(kernel, device.platform if device is not None else jax.default_backend())

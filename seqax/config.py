@@ -1,9 +1,10 @@
 """The configuration of a run and the errors a user can fix. A leaf: imports no module of ours.
 
 Every key without a default is required (configs/*.yaml); the few with a default (mesh.c, Muon's,
-evaluation) may be left out, as configs written before they existed do. A key's comment says what
-it sets. Configuration sets numbers and paths; the few keys that pick a behaviour (dataset.packed,
-checkpoints.compression, distributed.*) choose what is read or written, never which model or step
+evaluation, model.attention_kernel) may be left out, as configs written before they existed do. A
+key's comment says what it sets. Configuration sets numbers and paths; the few keys that pick a
+behaviour (dataset.packed, checkpoints.compression, distributed.*) choose what is read or written,
+and model.attention_kernel which kernel computes the same attention, never which model or step
 runs. Dimension letters (M, Q, K, D, F, V, B, L) are the ones train.py's docstring names.
 """
 
@@ -59,7 +60,12 @@ class ModelConfig:
     rope_base: float  # RoPE rotates dims (i, i + D/2) at rate base^(-2i/D) (RoFormer, Su et al. 2021, eq. 15)
     norm_eps: float
     attention_block: int  # positions per attention block; divides training.tokens.len (speed and memory, not the math)
+    # which kernel computes attention (the same math, up to rounding): "auto" (Pallas on GPUs and TPUs,
+    # blockwise on CPUs), "pallas", "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
+    attention_kernel: str = "auto"
 
+
+ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.training_attention's
 
 # The model's dimensions (train.py's legend) and the keys of the `model:` section that size them:
 # validation.py and memory.py read a dimension's size through this table.

@@ -4,7 +4,7 @@ anything is compiled: every mismatch stops the program with one line naming the 
 
 import math
 
-from seqax.config import MODEL_DIMENSIONS, Config, ConfigError, ModelConfig
+from seqax.config import ATTENTION_KERNELS, MODEL_DIMENSIONS, Config, ConfigError, ModelConfig
 from seqax.shardlib.shardtypes import leaf_dims
 
 
@@ -81,6 +81,9 @@ def check_values(cfg: Config):
     for key, value in (("layers", m.layers), ("d_head", m.d_head), ("n_q_per_kv", m.n_q_per_kv)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive; set it to 1 or more")
+    if m.attention_kernel not in ATTENTION_KERNELS:
+        raise ConfigError(f"model.attention_kernel={m.attention_kernel!r} is not a kernel; choose one of "
+                          f"{', '.join(ATTENTION_KERNELS)}")
     if tr.learning_rate < 0:
         raise ConfigError(f"training.learning_rate={tr.learning_rate} must not be negative")
     for key, value in (("adam_b1", tr.adam_b1), ("adam_b2", tr.adam_b2)):

@@ -11,6 +11,7 @@ import train
 from fixtures import make_mesh, tiny_config
 from seqax import attention
 from seqax.config import ConfigError
+from seqax.flash_attention import ring_flash_attention
 from seqax.shardlib.shardtypes import f32, typed_shard_map, u32
 
 B, L, Q, K, D = 4, 64, 2, 4, 16
@@ -175,3 +176,19 @@ def test_forward_refuses_a_length_that_is_not_whole_blocks():
                             mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
     with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide training.tokens.len=12"):
         jax.eval_shape(forward, weights, tokens)
+
+
+def test_the_kernel_is_the_platforms_unless_the_config_names_one():
+    """model.attention_kernel=auto: the Pallas kernels on GPUs and TPUs, blockwise on CPUs, read from
+    the mesh the layer runs on; a name chooses that kernel on any platform."""
+    for platform in ("gpu", "tpu"):
+        kernel = attention.kernel_for("auto", platform)
+        assert (kernel.func, kernel.keywords) == (ring_flash_attention, {"platform": platform})
+    assert attention.kernel_for("auto", "cpu") is attention.ring_attention
+    assert attention.kernel_for("blockwise", "gpu") is attention.ring_attention
+    assert attention.kernel_for("reference", "tpu") is attention.reference_attention
+    assert attention.kernel_for("pallas", "cpu").keywords == {"platform": "cpu"}
+    chosen = []
+    jax.eval_shape(jax.shard_map(lambda x: chosen.append(attention.training_attention("auto")) or x,
+                                 mesh=make_mesh(1, 1), in_specs=P(), out_specs=P()), jnp.zeros(()))
+    assert chosen == [attention.ring_attention]

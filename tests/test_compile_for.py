@@ -1,8 +1,9 @@
 """bench/compile_for.py with the real GPU and TPU compilers (.venv-compilers, `make compilers`): the
-synthetic config's step compiled for one H200, for a host of 8 and for a TPU v6e host fits their
-memory, has its collectives where the mesh needs them (asynchronous on the GPUs), and the
-roofline's matmul FLOPs are exactly what the code computes: the model's, plus what blockwise
-attention computes beyond the causal half and recomputes, plus Muon's Newton-Schulz."""
+synthetic config's step compiled for one H200, for a host of 8 and for a TPU v6e host (with the
+Pallas attention kernels, the default there) fits their memory, has its collectives where the mesh
+needs them (asynchronous on the GPUs), and the roofline's matmul FLOPs are exactly what the code
+computes: the model's, plus what the attention kernel (blockwise, or Pallas) computes beyond the
+causal half and recomputes, plus Muon's Newton-Schulz."""
 
 import json
 import os
@@ -13,6 +14,8 @@ import pytest
 import train
 from fixtures import ROOT
 from seqax.config import load_config
+from seqax.flash_attention import tiling_for
+from seqax.flash_blocks import matmul_flops
 
 COMPILERS_PYTHON = os.path.join(ROOT, ".venv-compilers", "bin", "python")
 pytestmark = pytest.mark.slow  # real compiles, 10-30 s each
@@ -53,22 +56,29 @@ def test_the_collectives_of_fsdp_and_tensor_parallelism_are_found(eight_devices)
     assert eight_devices["v6e"]["collectives_per_step"] > 20
 
 
-def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path):
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
+def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
     """One H200 (mesh 1x1): the HLO's matmul FLOPs are the model's (6 per parameter of the matrices a
     token goes through, and attention's causal half, x 3 for forward and backward) with attention's
-    replaced by what the blockwise kernel computes (every block pair on or below the diagonal: forward
-    QK^T and PV, backward QK^T again, dV, dP, dQ and dK: 14 B H b^2 D a pair, N(N + 1)/2 pairs of N
-    blocks), plus Newton-Schulz on the one device."""
-    [row] = compile_for(tmp_path, "one", ["local_test_synthetic"], ["h200"], "mesh.d=1", "mesh.t=1")
+    replaced by what the kernel computes, plus Newton-Schulz on the one device. Blockwise: every
+    block pair on or below the diagonal, forward QK^T and PV, backward QK^T again, dV, dP, dQ and
+    dK: 14 B H b^2 D a pair, N(N + 1)/2 pairs of N blocks. Pallas: the FLOPs its kernels state, the
+    same pairs of their own blocks with 2 block matmuls forward, 3 for dq and 4 for dk and dv."""
+    [row] = compile_for(tmp_path, "one", ["local_test_synthetic"], ["h200"], "mesh.d=1", "mesh.t=1",
+                        f"model.attention_kernel={kernel}")
     cfg = load_config("local_test_synthetic", ["+paths.model_name=x", "mesh.d=1", "mesh.t=1"])
     h, B, L = cfg.model, cfg.training.tokens.batch, cfg.training.tokens.len
     heads, b = h.n_q_per_kv * h.n_kv, h.attention_block
     N = L // b
     attention_model = h.layers * 6 * B * heads * h.d_head * L * L  # 3 x 2 x 2 x (QK^T and PV over half the keys)
-    attention_blockwise = h.layers * 14 * B * heads * b * b * h.d_head * N * (N + 1) / 2
+    if kernel == "blockwise":
+        attention = h.layers * 14 * B * heads * b * b * h.d_head * N * (N + 1) / 2
+    else:
+        tiling = tiling_for("gpu", h.n_q_per_kv, b, L)
+        attention = h.layers * matmul_flops(B, L, h.n_q_per_kv, h.n_kv, h.d_head, L, tiling, matmuls=2 + 3 + 4)
     model = train.model_flops_per_token(h, L) * B * L
     _, newton_schulz = train.newton_schulz_flops(h, 1)
-    expected = model - attention_model + attention_blockwise + newton_schulz
+    expected = model - attention_model + attention + newton_schulz
     assert row["model_tflop_per_device"] * 1e12 == pytest.approx(model, rel=1e-9)
     assert row["hlo_matmul_tflop_per_device"] * 1e12 == pytest.approx(expected, rel=1e-3), (row, expected)
 

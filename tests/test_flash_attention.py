@@ -1,6 +1,7 @@
 """The Pallas flash-attention kernels (flash_gpu.py, flash_tpu.py, around the ring of
 flash_attention.py) in Pallas's interpret mode on this CPU, against float32 attention with every
-score of a row materialized, and against attention.py's blockwise kernel and its reference_attention.
+score of a row materialized, against attention.py's blockwise kernel and its reference_attention,
+and a training step with them against one with the blockwise kernel.
 
 Tolerances: first-order bounds on the bfloat16 roundings the kernels make, per element, from the
 exact (float32) values. q, k, v are bf16 and the exact attention upcasts the same values, and the
@@ -29,7 +30,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from fixtures import make_mesh
+import train
+from fixtures import make_mesh, put_batch, random_batch, tiny_config
 from seqax import attention, flash_gpu, flash_tpu
 from seqax.data_loader import zigzag_order
 from seqax.flash_attention import _ring_flash_attention, tiling_for
@@ -275,3 +277,30 @@ def test_a_ring_in_the_tpu_interpret_mode():
                                              compiled(on_devices, *args)(*args)],
           *exact(q, k, v, doc, doc, position, position, do))
 
+
+@pytest.mark.slow
+def test_training_steps_with_the_pallas_kernel_equal_blockwise(monkeypatch):
+    """Three training steps of a small model on one device with model.attention_kernel=pallas (on a
+    CPU: the GPU kernels in Pallas's interpret mode) and with reference, against blockwise: the same
+    losses within 1e-3 relative. Attention's bf16 roundings (within the bounds above) differ between
+    the kernels; the loss, an average over every token, moves by far less.
+
+    The step's shard_map runs without its check of varying mesh axes: Pallas's interpret mode
+    evaluates a kernel's body with the blocks of varying inputs next to invariant constants, which
+    that check rejects (JAX 0.10.2). On one device nothing varies, so the step computes the same."""
+    shard_map = jax.shard_map
+    monkeypatch.setattr(jax, "shard_map", lambda *a, **kw: shard_map(*a, **{**kw, "check_vma": False}))
+    mesh = make_mesh(1, 1, 1)
+    losses = {}
+    with jax.set_mesh(mesh):
+        for kernel in ("blockwise", "pallas", "reference"):
+            cfg = tiny_config("model.n_kv=2", "model.layers=1", "training.tokens.batch=2", "training.tokens.len=32",
+                              "mesh.d=1", "mesh.t=1", f"model.attention_kernel={kernel}")
+            state, losses[kernel] = train.init_state(cfg, mesh), []
+            for step in range(3):
+                batch = put_batch(mesh, random_batch(step, 2, 32, cfg.model.vocab))
+                state, metrics = train.training_step(state, jnp.uint32(step), *batch, cfg)
+                losses[kernel].append(float(metrics.loss))
+    print(f"  losses: {losses}")
+    for kernel in ("pallas", "reference"):
+        np.testing.assert_allclose(losses[kernel], losses["blockwise"], rtol=1e-3)
