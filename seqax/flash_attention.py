@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqax import flash_gpu, flash_tpu
+from seqax.config import ConfigError
 from seqax.flash_blocks import F32, Tiling
 from seqax.jax_extra import save_in_forward_rule
 from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
@@ -138,4 +139,8 @@ def ring_flash_attention(q, k, v, doc_start, row_position, block: int, platform:
     (tiling_for); doc_start [B, L] and row_position [L] as attention.ring_attention takes them.
     Runs inside shard_map."""
     tiling = tiling_for(platform, q.shape[2], block, q.shape[1])
+    if tiling.interpret and jax.typeof(q).manual_axis_type.varying:
+        raise ConfigError("model.attention_kernel=pallas cannot run on a CPU here: Pallas's interpret mode cannot "
+                          "run inside a shard_map that checks varying mesh axes, as the training step's does (JAX "
+                          "0.10.2; docs/flash-attention.md); choose model.attention_kernel=blockwise or reference")
     return _ring_flash_attention(q, k, v, doc_start, row_position, tiling)

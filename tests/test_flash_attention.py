@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 import train
 from fixtures import make_mesh, put_batch, random_batch, tiny_config
 from seqax import attention, flash_gpu, flash_tpu
+from seqax.config import ConfigError
 from seqax.data_loader import zigzag_order
 from seqax.flash_attention import _ring_flash_attention, tiling_for
 from seqax.flash_blocks import Tiling, key_block_ranges, query_block_ranges
@@ -248,6 +249,20 @@ def test_tiling_divides_the_blocks_and_fits_each_target():
     assert tiling_for("tpu", 5, 512, 2048) == Tiling("tpu", 256, 256)
     assert tiling_for("tpu", 2, 32, 64) == Tiling("tpu", 64, 64)
     assert tiling_for("cpu", 4, 8, 16) == Tiling("gpu", 8, 8, interpret=True)
+
+
+def test_pallas_on_a_cpu_inside_a_checked_shard_map_stops_with_one_line():
+    """The training step's shard_map checks varying mesh axes, which Pallas's plain interpret mode
+    cannot run under (below): model.attention_kernel=pallas on a CPU stops with a ConfigError that
+    names the key and what to choose instead, before any kernel is traced."""
+    kernel = attention.kernel_for("pallas", "cpu")
+    rows = P(None, "c")
+    attend = jax.shard_map(lambda q, k, v, d, p: kernel(q, k, v, d, p, 8), mesh=make_mesh(1, 1, 2),
+                           in_specs=(rows, rows, rows, rows, P("c")), out_specs=rows)
+    q, k, v, _ = qkv_and_cotangent(0, 1, 32, 32, 2, 1, 16)
+    with pytest.raises(ConfigError, match=r"model.attention_kernel=pallas cannot run on a CPU here.*choose "
+                                          r"model.attention_kernel=blockwise or reference"):
+        jax.eval_shape(attend, q, k, v, np.zeros((1, 32), np.uint32), np.arange(32, dtype=np.uint32))
 
 
 @pytest.mark.slow
