@@ -1,13 +1,19 @@
-"""Dense against blockwise attention: forward + backward time and XLA's temporary memory.
+"""Attention alone, forward + backward, by each kernel, on this machine's device
+(bench/attention_for.py compiles the same for a GPU or TPU that is not here).
 
     .venv/bin/python -m bench.attention [--batch 4 --heads 8 --kv-heads 2 --d-head 64]
-        [--lengths 512 1024 2048] [--blocks 128 256 512] [--repeats 5]
+        [--lengths 512 1024 2048] [--blocks 128 256 512] [--methods dense blockwise ...] [--repeats 5]
 
-Runs attention.dense_attention (the L x S scores materialized, attention.causal_document_mask's
-mask) and attention.ring_attention on a ring of one device (block pairs, causal half only,
-online softmax, custom backward) on one device with random bfloat16 inputs and about four documents a row, and prints
-one row per (length, method): median time of value-and-gradient, the speed-up over dense, and
-the compiled program's temporary bytes.
+Methods: dense (attention.dense_attention, every score of a row materialized), blockwise
+(attention.ring_attention on a ring of one device, blocks of each --blocks), pallas (the flash
+kernels of flash_attention.py, blocks chosen for the platform), cudnn
+(jax.nn.dot_product_attention's cuDNN kernel, causal only: no documents; the speed anchor on a
+GPU). Inputs are random bfloat16 with about four documents a row. By default, the methods the
+device runs fast: dense and blockwise on a CPU, blockwise, pallas and cudnn on a GPU, blockwise
+and pallas on a TPU.
+
+It prints one row per (length, method): the median time of value-and-gradient after a warm-up,
+the speed-up over the first method, and the compiled program's temporary bytes.
 """
 
 import argparse
@@ -20,6 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 import train
 from seqax import attention
+
+DEFAULT_METHODS = {"cpu": ("dense", "blockwise"), "gpu": ("blockwise", "pallas", "cudnn"),
+                   "tpu": ("blockwise", "pallas")}
 
 
 def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
@@ -38,16 +47,30 @@ def dense(q, k, v, doc_start):
     return attention.dense_attention(q, k, v, attention.causal_document_mask(position, position, doc_start, doc_start))
 
 
-def blockwise(block: int):
-    """attention.ring_attention inside shard_map on one device: its ring is its own keys."""
-    mesh = train.make_mesh(1, 1, devices=jax.devices()[:1])
+def cudnn(q, k, v, doc_start):
+    """jax.nn.dot_product_attention's cuDNN kernel, causal only (it takes no document starts); the
+    query heads as [K, Q] so that query head n reads kv head n // Q, as grouped heads do there."""
+    del doc_start
+    B, L, Q, K, D = q.shape
+    q = jnp.swapaxes(q, 2, 3).reshape(B, L, K * Q, D)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    return jnp.swapaxes(o.reshape(B, L, K, Q, D), 2, 3)
 
+
+def kernel_on_one_device(kernel: str, block: int, mesh):
+    """attention.kernel_for(kernel) on the mesh's platform inside shard_map on one device: a ring of
+    its own keys."""
     def attend(q, k, v, doc_start):
         row_position = jnp.arange(q.shape[1], dtype=jnp.uint32)
-        return jax.shard_map(lambda *a: attention.ring_attention(*a, row_position, block), mesh=mesh, in_specs=P(),
-                             out_specs=P())(q, k, v, doc_start)
+        chosen = attention.kernel_for(kernel, mesh.devices.flat[0].platform)
+        return jax.shard_map(lambda *a: chosen(*a, row_position, block), mesh=mesh, in_specs=P(), out_specs=P())(
+            q, k, v, doc_start)
 
     return attend
+
+
+def method(name: str, block: int, mesh):
+    return {"dense": dense, "cudnn": cudnn}.get(name) or kernel_on_one_device(name, block, mesh)
 
 
 def value_and_grad(attend):
@@ -73,6 +96,26 @@ def measure(fn, args, repeats: int) -> tuple[float, int]:
     return float(np.median(times)), temp
 
 
+def on_this_device(args):
+    mesh = train.make_mesh(1, 1, devices=jax.devices()[:1])
+    methods = args.methods or DEFAULT_METHODS[jax.devices()[0].platform]
+    print(f"device {jax.devices()[0].device_kind}; batch {args.batch}, {args.heads} query heads, "
+          f"{args.kv_heads} kv heads, d_head {args.d_head}")
+    print(f"{'L':>6} {'method':>16} {'fwd+bwd ms':>11} {'speed-up':>9} {'temp MiB':>9}")
+    for L in args.lengths:
+        inputs = attention_inputs(args.batch, L, args.heads // args.kv_heads, args.kv_heads, args.d_head)
+        first = None
+        for name in methods:
+            for block in args.blocks if name == "blockwise" else [max(b for b in args.blocks if L % b == 0)]:
+                if L % block:
+                    continue
+                seconds, temp = measure(value_and_grad(method(name, block, mesh)), inputs, args.repeats)
+                first = first or seconds
+                label = f"{name} {block}" if name == "blockwise" else name
+                print(f"{L:>6} {label:>16} {seconds * 1e3:>11.1f} {first / seconds:>8.2f}x {temp / 2**20:>9.1f}",
+                      flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
@@ -81,23 +124,12 @@ def main(argv=None):
     parser.add_argument("--d-head", type=int, default=64)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512])
+    parser.add_argument("--methods", nargs="+", choices=["dense", "blockwise", "pallas", "cudnn"])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    print(f"device {jax.devices()[0].device_kind}; batch {args.batch}, {args.heads} query heads, "
-          f"{args.kv_heads} kv heads, d_head {args.d_head}")
-    print(f"{'L':>6} {'method':>16} {'fwd+bwd ms':>11} {'vs dense':>9} {'temp MiB':>9}")
-    for L in args.lengths:
-        inputs = attention_inputs(args.batch, L, args.heads // args.kv_heads, args.kv_heads, args.d_head)
-        dense_time, dense_temp = measure(value_and_grad(dense), inputs, args.repeats)
-        print(f"{L:>6} {'dense':>16} {dense_time * 1e3:>11.1f} {'1.00x':>9} {dense_temp / 2**20:>9.1f}", flush=True)
-        for block in args.blocks:
-            if L % block or block > L:
-                continue
-            seconds, temp = measure(value_and_grad(blockwise(block)), inputs, args.repeats)
-            print(f"{L:>6} {f'blockwise {block}':>16} {seconds * 1e3:>11.1f} {dense_time / seconds:>8.2f}x "
-                  f"{temp / 2**20:>9.1f}", flush=True)
+    on_this_device(args)
 
 
 if __name__ == "__main__":

@@ -18,11 +18,14 @@ the code they came from.
 import os
 
 # Compile for the targets and run nothing: no device is needed, and none is looked for. The CUDA
-# plugin compiles without a driver; libtpu, without these, looks for the hosts of a TPU pod.
+# plugin compiles without a driver; libtpu, without these, looks for the hosts of a TPU pod, and
+# refuses to load while another process holds it (its lock file), which a compile without a TPU
+# need not (several compiles run at once: the test workers).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
