@@ -22,6 +22,7 @@ from seqax import flash_gpu, flash_tpu
 from seqax.config import ConfigError
 from seqax.flash_blocks import F32, Tiling
 from seqax.jax_extra import save_in_forward_rule
+from seqax.shardlib.bits import is_narrow_float
 from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
 LOWERINGS = {"gpu": flash_gpu, "tpu": flash_tpu}
@@ -29,8 +30,8 @@ LOWERINGS = {"gpu": flash_gpu, "tpu": flash_tpu}
 KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")
 # Block sizes that compile for an H200 (D = 128) and a TPU v6e, untuned (no device to time them on):
 # on a GPU 64 x 64 up to 3 query heads per kv head, 32 x 64 beyond (at Q = 4 and 64 query rows the
-# backward kernels ask for 297 KiB of shared memory, over the H200's 227 KiB); on a TPU 256 x 256
-# (v6e's matrix unit is 256 wide).
+# backward kernels ask for 297,472 bytes of shared memory, over the H200's 232,448); on a TPU
+# 256 x 256 (v6e's matrix unit is 256 wide).
 GPU_BLOCK_Q, GPU_BLOCK_Q_MANY_HEADS, GPU_BLOCK_K, TPU_BLOCK = 64, 32, 64, 256
 
 
@@ -46,6 +47,21 @@ def tiling_for(platform: str, q_per_kv: int, attention_block: int, length: int) 
     block_q = GPU_BLOCK_Q if q_per_kv <= 3 else GPU_BLOCK_Q_MANY_HEADS
     return Tiling("gpu", math.gcd(block_q, attention_block), math.gcd(GPU_BLOCK_K, attention_block),
                   interpret=platform == "cpu")
+
+
+def carried(shard):
+    """A shard as the ring's loop carries it: k and v as their bits (shardlib/bits.py, as ring_pass
+    sends them). XLA's GPU compiler fails on a loop that carries them as bf16 when a Pallas call
+    reads them (a RET_CHECK: "bf16[...] is not compatible with u16[...]", jax 0.10.2)."""
+    k, v, *rest = shard
+    return (*(lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")) if is_narrow_float(x) else x
+              for x in (k, v)), *rest)
+
+
+def held(shard, dtype):
+    """carried undone: k and v in `dtype` again, for the kernels."""
+    k, v, *rest = shard
+    return (*(x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype) for x in (k, v)), *rest)
 
 
 def merge(o, lse, o_step, lse_step):
@@ -73,11 +89,11 @@ def ring_forward(q, shard, tiling: Tiling):
     def ring_step(carry, _):
         o, lse, shard = carry
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, shard))  # sent before the work
-        return (*merge(o, lse, *attend(shard, F32)), arriving), None
+        return (*merge(o, lse, *attend(held(shard, q.dtype), F32)), arriving), None
 
     # zeros_like and full_like: the carry varies over the same mesh axes as q
     o, lse = jnp.zeros_like(q, F32), jnp.full_like(q[..., 0], -jnp.inf, F32)
-    (o, lse, _), _ = lax.scan(ring_step, (o, lse, shard), None, length=axis_size("c"))
+    (o, lse, _), _ = lax.scan(ring_step, (o, lse, carried(shard)), None, length=axis_size("c"))
     return o.astype(q.dtype), lse
 
 
@@ -105,10 +121,10 @@ def ring_backward(tiling: Tiling, saved, do):
         # last step on to its next holder (step 0 passes zeros, the price of the overlap).
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, shard))
         dk_in, dv_in = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)
-        dq_step, dk, dv = gradients(shard, F32)
+        dq_step, dk, dv = gradients(held(shard, q.dtype), F32)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
-    carry = (jnp.zeros_like(q, F32), own, (jnp.zeros_like(k, F32), jnp.zeros_like(v, F32)))
+    carry = (jnp.zeros_like(q, F32), carried(own), (jnp.zeros_like(k, F32), jnp.zeros_like(v, F32)))
     (dq, _, dk_dv), _ = lax.scan(ring_step, carry, None, length=axis_size("c"))
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None  # integers: no cotangent
