@@ -66,7 +66,8 @@ def test_gpu_sh_on_cpu_prints_the_table_last_with_a_measured_row(tmp_path):
     assert header.startswith("| config ") and set(rule) <= {"|", "-", " "}
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert cells[:4] == ["local_test_synthetic", "1 x cpu", "d=1 t=1", "2 after 1"]
-    assert cells[5] == f"{row['tokens_per_second']:,.0f}"
+    assert cells[5] == "" and row["predicted_step_time_s"] is None  # no roofline for a CPU: not a target
+    assert cells[6] == f"{row['tokens_per_second']:,.0f}"
     assert "1 x cpu (cpu)" in result.stderr  # what the check found
 
 
