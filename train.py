@@ -34,7 +34,6 @@ if __name__ == "__main__":  # `python -m train`: a SIGTERM during the imports be
 
     exit_on_sigterm()
 
-import hydra
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -43,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from seqax import run_lock
 from seqax.attention import ring_attention
 from seqax.checkpoint import Checkpointer
-from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict
+from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict, run_hydra
 from seqax.data_loader import make_loader, zigzag_chunks
 from seqax.evaluation import Evaluation
 from seqax.flat_tokens import open_flat_tokens
@@ -545,14 +544,14 @@ def train(cfg: Config, resolved_yaml: str):
     return state
 
 
-@hydra.main(config_path="configs", config_name=None, version_base=None)
-def main(hydra_cfg: DictConfig):
-    def program():
+def main():
+    """`python -m train --config-name=NAME [key=value ...]`: hydra's command line (config.run_hydra)."""
+    def program(hydra_cfg: DictConfig):
         cfg = config_from_dict(Config, OmegaConf.to_container(hydra_cfg, resolve=True))
         initialize_distributed(cfg.distributed)  # before any other JAX call
         train(cfg, OmegaConf.to_yaml(hydra_cfg, resolve=True))
 
-    run_program(program)
+    run_program(lambda: run_hydra(program))
 
 
 if __name__ == "__main__":
