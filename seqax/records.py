@@ -18,6 +18,7 @@ import time
 import jax
 import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 
 from seqax import hardware
 from seqax.profiler import ProfileWindow, steps_to_profile
@@ -58,6 +59,15 @@ def open_lines_for_append(path: str):
             if data and not data.endswith(b"\n"):
                 f.truncate(data.rfind(b"\n") + 1)
     return open(path, "a")
+
+
+def parsed(line: str) -> dict:
+    """A metrics.jsonl line as a dict; {} for one that is not a JSON object (edited by hand, say)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class RunRecords:
@@ -109,6 +119,19 @@ class RunRecords:
     def print(self, text: str):
         if self.writes:
             print(text, flush=True)
+
+    def missing_evaluations(self, steps: list[int]) -> list[int]:
+        """Those of `steps` (the same list on every process) whose evaluation line metrics.jsonl lacks:
+        process 0 reads the file, and every process gets its answer."""
+        if self.writes:
+            with open(self.metrics_file.name) as f:
+                evaluated = {line.get("step") for line in map(parsed, f) if "eval_time" in line}
+            missing = np.array([step not in evaluated for step in steps])
+        else:
+            missing = np.zeros(len(steps), bool)
+        if jax.process_count() > 1 and steps:
+            missing = multihost_utils.broadcast_one_to_all(missing)
+        return [step for step, m in zip(steps, missing) if m]
 
     # --- the loop
 

@@ -271,3 +271,27 @@ def test_eval_loss_steps_restart_mesh_and_reference(validation_dataset, tmp_path
                                                     b["loss_mask"]))(weights) for b in batches]
     expected = float(np.mean(losses))
     assert abs(again[1]["eval_loss"] - expected) <= 1e-4 * expected, (again[1]["eval_loss"], expected)
+
+
+@pytest.mark.slow  # three runs, the last two without a training step
+def test_an_evaluation_that_a_kill_left_undone_runs_on_resume_once(validation_dataset, tmp_path):
+    """A run killed after checkpoint N committed and before evaluation N was logged (at eval_interval,
+    or the final one: the rerun found checkpoint N = training.steps and exited without it) left
+    metrics.jsonl without that line. The next start evaluates each committed checkpoint whose
+    evaluation is due and missing, with the values it would have had; the start after adds nothing."""
+    train_on(validation_dataset, tmp_path, 4, 2)  # checkpoints 2, 4 and 6; evaluations after steps 4 and 6
+    metrics = tmp_path / "eval" / "metrics.jsonl"
+    first = eval_lines(tmp_path / "eval")
+    assert [line["step"] for line in first] == [4, 6]
+    # What a kill in that window leaves on disk, for both evaluations (4's as an older run's would have).
+    metrics.write_text("".join(line for line in open(metrics) if "eval_loss" not in line))
+    trained = metrics.read_text()
+    train_on(validation_dataset, tmp_path, 4, 2)
+    assert metrics.read_text().startswith(trained)  # no step ran again
+    again = [json.loads(line) for line in metrics.read_text()[len(trained):].splitlines()]
+    assert [line["step"] for line in again] == [4, 6]
+    # The same weights and batches: the same losses.
+    assert [line["eval_loss"] for line in again] == [line["eval_loss"] for line in first]
+    done = metrics.read_text()
+    train_on(validation_dataset, tmp_path, 4, 2)
+    assert metrics.read_text() == done
