@@ -144,11 +144,12 @@ class Checkpointer:
             return None
 
     def _unreadable_steps(self) -> list[int]:
-        """Steps whose group zarr.json is missing or garbled although the directory holds more:
-        damaged. (An interrupted save's group metadata is whole, or is all that exists: it is
-        written first, and the commit rewrites it atomically.)"""
-        return [s for s in self._steps_on_disk()
-                if self._attributes(s) is None and set(os.listdir(self.step_dir(s))) - {"zarr.json"}]
+        """Steps whose group zarr.json is missing or garbled although the directory holds arrays:
+        damaged. (An interrupted save's group metadata is whole, or is all that exists besides the
+        save's markers: it is written first, the markers of a save that failed writing it (a full
+        disk cuts it short) come after, and the commit rewrites it atomically.)"""
+        return [s for s in self._steps_on_disk() if self._attributes(s) is None
+                and any(name != "zarr.json" and not name.startswith(".") for name in os.listdir(self.step_dir(s)))]
 
     def _steps_on_disk(self) -> list[int]:
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []

@@ -48,6 +48,10 @@ class DistributedError(SeqaxError):
     """The processes could not form a run (bad settings, or a peer that never connected)."""
 
 
+class OutputError(SeqaxError):
+    """A file that a run must write could not be written (a full disk, a read-only one, no permission)."""
+
+
 # ---------------------------------------------------------------------------------------------
 # The sections of a training config.
 

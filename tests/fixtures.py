@@ -2,6 +2,7 @@
 datasets written in this process, and `python -m train` as a child process."""
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -234,3 +235,18 @@ def mounted(path, options: str):
         yield path
     finally:
         subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: a child's open file does not block it
+
+
+def fill(disk) -> str:
+    """Writes a file over every free byte of the file system at `disk`; returns its path."""
+    path = os.path.join(disk, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return path

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 import train
 from fixtures import (
+    fill,
     make_mesh,
     mounted,
     put_batch,
@@ -303,6 +304,25 @@ def test_a_full_disk_names_the_file_whose_write_failed(tmp_path, compression):
         with pytest.raises(CheckpointError, match=rf"failed: No space left on device \(\S*{where}\); "
                                                   "no checkpoint was committed"):
             checkpointer.wait()
+        checkpointer.close()
+
+
+def test_a_save_that_a_full_disk_stopped_at_its_first_file_is_not_taken_for_damage(tmp_path):
+    """The group's zarr.json, written first, not written (or cut short) on a full disk, and the
+    save's `.failed` marker: an uncommitted save, deleted at the restore (was: a damaged checkpoint,
+    and with no other, `every committed checkpoint ... is damaged`: a run that could not resume)."""
+    with mounted(tmp_path / "disk", "size=1m") as disk:
+        checkpointer = Checkpointer(str(disk / "checkpoints"), checkpoint_config())
+        os.makedirs(disk / "checkpoints")
+        filler = fill(disk)
+        checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
+        with pytest.raises(CheckpointError, match=r"No space left on device \(\S*0000000001"):
+            checkpointer.wait()
+        left = set(os.listdir(disk / "checkpoints" / "0000000001")) - {"zarr.json"}
+        assert len(left) == 1 and left.pop().startswith(".failed."), left
+        os.remove(filler)
+        assert checkpointer.restore(*targets_on(sample_values(), make_mesh(4, 2))) is None
+        assert os.listdir(disk / "checkpoints") == []
         checkpointer.close()
 
 
