@@ -73,7 +73,7 @@ class PreemptionWatch:
             if self.interrupts > 1:
                 stop_now(self.signature, "stopped by a second Ctrl-C (SIGINT), without saving the steps since the "
                          "newest checkpoint; a restart resumes from it", signum)
-            if self.processes > 1:
+            if self.processes > 1:  # JAX's preemption service, which holds SIGTERM, has every process stop at one step
                 os.kill(os.getpid(), signal.SIGTERM)
         self.requested = True  # only a flag: the loop may be anywhere, even inside a print
 
