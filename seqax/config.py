@@ -245,7 +245,9 @@ def run_hydra(task):
     hydra's flags work as usual). Hydra's errors of composing it (a mistyped key, a config that does
     not exist, an override it cannot parse) are raised as a ConfigError: one line naming the key or
     config and the nearest valid one, where hydra would print several lines of its own and exit 1."""
-    argv = sys.argv[1:]
+    # Hydra reads a relative --config-path from the directory of the file that calls hydra.main: this
+    # one, where it was train.py's, the repository root. Made absolute from there, it keeps that meaning.
+    argv = rooted_config_path(sys.argv[1:], os.path.dirname(CONFIGS))
     name, config_dir = flag(argv, "--config-name", "-cn"), flag(argv, "--config-path", "-cp") or CONFIGS
 
     failed = []
@@ -258,19 +260,33 @@ def run_hydra(task):
         except Exception as e:
             failed.append(e)
 
-    previous = os.environ.get("HYDRA_FULL_ERROR")
+    previous, command_line = os.environ.get("HYDRA_FULL_ERROR"), sys.argv
     os.environ["HYDRA_FULL_ERROR"] = "1"  # hydra raises its errors to us instead of printing them
+    sys.argv = command_line[:1] + argv  # what hydra.main parses
     try:
         hydra.main(config_path=CONFIGS, config_name=None, version_base=None)(task_past_hydra)()
     except (HydraException, OmegaConfBaseException) as e:
         raise hydra_error(e, name, config_dir) from None
     finally:
+        sys.argv = command_line
         if previous is None:
             del os.environ["HYDRA_FULL_ERROR"]
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
     if failed:
         raise failed[0]
+
+
+def rooted_config_path(argv: list[str], root: str) -> list[str]:
+    """`argv` with a relative --config-path (or -cp) value joined to `root`."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        for name in ("--config-path", "-cp"):
+            if arg.startswith(name + "=") and not os.path.isabs(arg[len(name) + 1 :]):
+                out[i] = f"{name}={os.path.join(root, arg[len(name) + 1 :])}"
+            elif arg == name and i + 1 < len(out) and not os.path.isabs(out[i + 1]):
+                out[i + 1] = os.path.join(root, out[i + 1])
+    return out
 
 
 def flag(argv: list[str], *names: str) -> str | None:

@@ -111,11 +111,14 @@ def test_bad_config_on_the_command_line_is_one_line_on_stderr(small_dataset, tmp
      r"there is no config 'local_test_synthetc' in \S+configs; did you mean local_test_synthetic\? \(the configs: "),
     (["--config-name="], r"there is no config '' in \S+configs \(the configs: .*local_test_synthetic"),
     (["training.steps=["], r"cannot read the override 'training.steps=\[': .*; write overrides as key=value"),
-], ids=["override", "addition", "section", "config_name", "empty_config_name", "grammar"])
+    (["--config-path=configs", "training.stepz=5"],  # relative to the repository root, as when train.py ran hydra
+     r"config local_test_synthetic has no key training\.stepz; did you mean training\.steps\?"),
+], ids=["override", "addition", "section", "config_name", "empty_config_name", "grammar", "relative_config_path"])
 def test_hydras_errors_are_one_line_naming_the_nearest_key(tmp_path, args, line):
     """Hydra's own report of these is several lines and exit status 1; the run directory is not made."""
-    command = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", "+paths.model_name=run",
-               f"paths.root_working_dir={tmp_path}", *args]
+    flags = [a for a in args if a.startswith("-")]  # hydra's parser takes its flags before the overrides
+    command = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", *flags, "+paths.model_name=run",
+               f"paths.root_working_dir={tmp_path}", *[a for a in args if a not in flags]]
     result = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
