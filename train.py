@@ -29,12 +29,11 @@ import sys
 import typing
 from functools import partial
 
-if __name__ == "__main__":  # `python -m train`: a SIGTERM during the imports below gets its one line too
-    from seqax.signals import exit_on_sigterm
+if __name__ == "__main__":  # `python -m train`: a SIGTERM or Ctrl-C during the imports below gets its one line too
+    from seqax.signals import exit_on_signal
 
-    exit_on_sigterm()
+    exit_on_signal()
 
-import hydra
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -43,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from seqax import run_lock
 from seqax.attention import training_attention
 from seqax.checkpoint import Checkpointer
-from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict
+from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict, run_hydra
 from seqax.data_loader import make_loader, zigzag_chunks
 from seqax.evaluation import Evaluation
 from seqax.flat_tokens import open_flat_tokens
@@ -513,10 +512,11 @@ def train(cfg: Config, resolved_yaml: str):
         checkpointer = opened.enter_context(contextlib.closing(
             Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)))
         # A checkpoint that does not fit the state stops the run here, before anything but the lock is written.
-        restored = checkpointer.restore(jax.eval_shape(lambda: init_state(cfg, mesh)), make_shardings(State, mesh))
+        shapes = jax.eval_shape(lambda: init_state(cfg, mesh))
+        restored = checkpointer.restore(shapes, make_shardings(State, mesh))
         start = restored[0] if restored else 0
-        records = opened.enter_context(contextlib.closing(RunRecords(
-            run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len))))
+        records = opened.enter_context(RunRecords(
+            run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len)))
         state = restored[1] if restored else init_state(cfg, mesh)
         # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
         report = opened.enter_context(contextlib.closing(StartupReport(run_dir, cfg)))
@@ -526,8 +526,14 @@ def train(cfg: Config, resolved_yaml: str):
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
         report.communication_report(step_fn)
         records.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
-        # From here SIGTERM asks for a checkpoint after the next step; before, there was no new
-        # step to save and it stopped the run at once (signals.exit_on_sigterm).
+        # An evaluation due at a committed checkpoint's step that a kill or a stop left undone runs now, once.
+        due = [done for done in checkpointer.complete_steps() if is_due(cfg.eval_interval, done, cfg.training.steps)]
+        for done in records.missing_evaluations(due) if evaluation else []:
+            weights = state.weights if done == start else checkpointer.read(
+                done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)})["weights"]
+            records.eval(done, evaluation, partial(eval_step, weights, cfg=cfg))
+        # From here SIGTERM or Ctrl-C asks for a checkpoint after the next step; before, there was no
+        # new step to save and it stopped the run at once (signals.exit_on_signal).
         preemption = opened.enter_context(PreemptionWatch())
         for step in range(start, cfg.training.steps):
             batch = loader.batch(step)
@@ -537,26 +543,26 @@ def train(cfg: Config, resolved_yaml: str):
             checkpointer.check()  # a failed background write stops training here
             preempted, done = preemption.reached(step), step + 1
             if preempted:
-                print(f"{console_name()}: preempted: checkpoint {done} is being written; exiting", file=sys.stderr,
-                      flush=True)
+                print(f"{console_name()}: {preemption.why()}: checkpoint {done} is being written; exiting",
+                      file=sys.stderr, flush=True)
             if preempted or is_due(cfg.checkpoint_interval, done, cfg.training.steps):
                 records.flush()  # every step a checkpoint holds is logged before it commits
                 checkpointer.save(done, state)  # returns after the device-to-host copy
-            if evaluation and is_due(cfg.eval_interval, done, cfg.training.steps):
+            if evaluation and is_due(cfg.eval_interval, done, cfg.training.steps) and not preempted:  # else on resume
                 records.eval(done, evaluation, partial(eval_step, state.weights, cfg=cfg))
             if preempted:
                 break
     return state
 
 
-@hydra.main(config_path="configs", config_name=None, version_base=None)
-def main(hydra_cfg: DictConfig):
-    def program():
+def main():
+    """`python -m train --config-name=NAME [key=value ...]`: hydra's command line (config.run_hydra)."""
+    def program(hydra_cfg: DictConfig):
         cfg = config_from_dict(Config, OmegaConf.to_container(hydra_cfg, resolve=True))
         initialize_distributed(cfg.distributed)  # before any other JAX call
         train(cfg, OmegaConf.to_yaml(hydra_cfg, resolve=True))
 
-    run_program(program)
+    run_program(lambda: run_hydra(program))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import numpy as np
 
 import train
 from bench.throughput import Row
-from seqax import config, hardware, memory
+from seqax import config, hardware, memory, roofline
 from seqax.startup_report import compile_step
+from seqax.targets import target_for
 from seqax.validation import validate_config
 
 
@@ -99,6 +100,12 @@ def measure(name: str, overrides: list[str], steps: int, warmup: int) -> Row:
     row.mfu = (train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * row.tokens_per_second / peak
                if peak else None)
     row.note = f"MFU of {peak / 1e12:.3g} TFLOP/s: {peak_source}" if peak else f"no peak FLOP/s known: {peak_source}"
+    target = target_for(jax.devices()[0].device_kind)
+    if target is not None:  # a GPU or TPU the roofline knows: its prediction for this very program
+        try:
+            row.predicted_step_time_s = roofline.roofline(compiled.as_text(), target.rates()).step_seconds
+        except Exception as e:  # a model that cannot read this program must not cost the measurement
+            row.note += f"; no roofline: {first_line(e)}"
     return row
 
 

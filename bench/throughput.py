@@ -55,6 +55,9 @@ class Row:
     peak_memory_bytes: int | None = None  # per device
     peak_memory_source: str = ""  # "measured" (device.memory_stats) or "XLA estimate" (memory_analysis)
     compile_seconds: float | None = None
+    # The roofline's step time of the compiled step on this device (seqax/roofline.py), where
+    # seqax/targets.py knows the device: next to the measured one, it calibrates the model.
+    predicted_step_time_s: float | None = None
 
 
 def last_line(path: str) -> str:
@@ -132,15 +135,17 @@ def format_memory(row: Row) -> str:
 
 def format_row(row: Row) -> list[str]:
     if row.status != "ok":
-        return [row.config, row.devices, row.mesh, row.status, "", "", "", "", row.note]
+        return [row.config, row.devices, row.mesh, row.status, "", "", "", "", "", row.note]
     step_time = f"{row.step_time_median_s:.3f} s ({row.step_time_min_s:.3f}-{row.step_time_max_s:.3f})"
     mfu = f"{row.mfu:.1%}" if row.mfu is not None else "n/a"
-    return [row.config, row.devices, row.mesh, f"{row.steps} after {row.warmup}", step_time,
+    predicted = (f"{row.predicted_step_time_s:.3f} s (x{row.step_time_median_s / row.predicted_step_time_s:.2f})"
+                 if row.predicted_step_time_s else "")
+    return [row.config, row.devices, row.mesh, f"{row.steps} after {row.warmup}", step_time, predicted,
             f"{row.tokens_per_second:,.0f}", mfu, format_memory(row), row.note]
 
 
-HEADER = ["config", "devices", "mesh", "steps", "step time, median (min-max)", "tokens/s", "MFU",
-          "peak memory per device", "note"]
+HEADER = ["config", "devices", "mesh", "steps", "step time, median (min-max)", "roofline (measured / it)",
+          "tokens/s", "MFU", "peak memory per device", "note"]
 
 
 def table(rows: list[Row]) -> str:

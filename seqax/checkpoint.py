@@ -20,7 +20,6 @@ import re
 import shutil
 import time
 import uuid
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
@@ -32,6 +31,7 @@ from jax.experimental import multihost_utils
 
 from seqax import sharded_zarr
 from seqax.config import CheckpointConfig, CheckpointError, ConfigError
+from seqax.console import warn
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^\d{10}$")
@@ -93,6 +93,17 @@ def _touch(path: str):
         pass
 
 
+def _naming(path: str, job):
+    """Runs `job()`; an OSError without a file name (a full disk's failed write has none) names `path`,
+    so that the line the user sees says where the write failed."""
+    try:
+        return job()
+    except OSError as e:
+        if e.filename:
+            raise
+        raise OSError(e.errno, e.strerror, path) from e
+
+
 @dataclasses.dataclass
 class _HostLeaf:
     name: str
@@ -133,11 +144,12 @@ class Checkpointer:
             return None
 
     def _unreadable_steps(self) -> list[int]:
-        """Steps whose group zarr.json is missing or garbled although the directory holds more:
-        damaged. (An interrupted save's group metadata is whole, or is all that exists: it is
-        written first, and the commit rewrites it atomically.)"""
-        return [s for s in self._steps_on_disk()
-                if self._attributes(s) is None and set(os.listdir(self.step_dir(s))) - {"zarr.json"}]
+        """Steps whose group zarr.json is missing or garbled although the directory holds arrays:
+        damaged. (An interrupted save's group metadata is whole, or is all that exists besides the
+        save's markers: it is written first, the markers of a save that failed writing it (a full
+        disk cuts it short) come after, and the commit rewrites it atomically.)"""
+        return [s for s in self._steps_on_disk() if self._attributes(s) is None
+                and any(name != "zarr.json" and not name.startswith(".") for name in os.listdir(self.step_dir(s)))]
 
     def _steps_on_disk(self) -> list[int]:
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
@@ -230,7 +242,7 @@ class Checkpointer:
         try:
             layouts = [sharded_zarr.plan(leaf.sharding, leaf.shape) for leaf in leaves]
             if self.process == 0:
-                self._create(path, step, leaves, layouts)
+                _naming(path, partial(self._create, path, step, leaves, layouts))
                 _touch(markers.format("ready"))
             else:
                 self._wait(lambda: os.path.exists(markers.format("ready")), step,
@@ -242,7 +254,8 @@ class Checkpointer:
                 # for a chunk or shard of zeros.
                 array = (zarr.open_array(array_dir, mode="r+").with_config({"write_empty_chunks": True})
                          if self.cfg.compression != "none" else None)
-                files += sharded_zarr.write_jobs(array_dir, layout, leaf.data, array)
+                files += [[partial(_naming, array_dir, job) for job in file]
+                          for file in sharded_zarr.write_jobs(array_dir, layout, leaf.data, array)]
             # Round robin over the files: writes to one file wait for each other on most file systems.
             jobs = [self._io.submit(job) for wave in itertools.zip_longest(*files) for job in wave if job is not None]
             for job in jobs:
@@ -336,7 +349,7 @@ class Checkpointer:
         if candidates:
             if self.process == 0:
                 for step, problem in damaged.items():
-                    warnings.warn(f"checkpoint {self.step_dir(step)} is damaged ({problem})", stacklevel=2)
+                    warn(f"checkpoint {self.step_dir(step)} is damaged ({problem})")
             raise CheckpointError(f"every committed checkpoint in {self.directory} is damaged "
                                   f"(steps {sorted(damaged)}); they are left in place: "
                                   "inspect them, then move them away to start again from step 0")
@@ -368,8 +381,8 @@ class Checkpointer:
                 if s in damaged:
                     aside = os.path.join(self.directory, f".damaged.{s:010d}.{uuid.uuid4().hex}")
                     os.rename(self.step_dir(s), aside)
-                    warnings.warn(f"checkpoint {self.step_dir(s)} is damaged ({damaged[s]}); "
-                                  f"falling back to the previous one; it is kept as {aside}", stacklevel=3)
+                    warn(f"checkpoint {self.step_dir(s)} is damaged ({damaged[s]}); "
+                         f"falling back to the previous one; it is kept as {aside}")
             self._delete([s for s in newer if s not in damaged])
         _barrier(f"seqax_checkpoint_discard_{step}")
 

@@ -9,11 +9,16 @@ runs. Dimension letters (M, Q, K, D, F, V, B, L) are the ones train.py's docstri
 """
 
 import dataclasses
+import difflib
 import os
+import sys
 import typing
 
 import hydra
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 # ---------------------------------------------------------------------------------------------
 # Errors. Each entry point prints a SeqaxError as one line (`seqax: error: ...`) and exits 2;
@@ -42,6 +47,10 @@ class CheckpointError(SeqaxError):
 
 class DistributedError(SeqaxError):
     """The processes could not form a run (bad settings, or a peer that never connected)."""
+
+
+class OutputError(SeqaxError):
+    """A file that a run must write could not be written (a full disk, a read-only one, no permission)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,7 +199,8 @@ def config_from_dict(cls, values, where: str = ""):
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key {where}{unknown[0]} (known keys here: {', '.join(sorted(fields))})")
+        raise ConfigError(f"unknown config key {where}{unknown[0]}{nearest(unknown[0], fields, where)} "
+                          f"(known keys here: {', '.join(sorted(fields))})")
     out = {}
     for name in fields:
         key = f"{where}{name}"
@@ -222,6 +232,121 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def load_config(name: str, overrides: list[str]) -> Config:
     """configs/<name>.yaml with command-line style overrides, as `python -m train` sees it."""
-    with hydra.initialize_config_dir(config_dir=CONFIGS, version_base=None):
-        cfg = hydra.compose(config_name=name, overrides=overrides)
-    return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
+    try:
+        cfg = compose(name, overrides, CONFIGS)
+        return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise hydra_error(e, name, CONFIGS) from None
+
+
+def compose(name: str, overrides: list[str], config_dir: str):
+    GlobalHydra.instance().clear()  # a failed hydra.main leaves hydra initialized
+    with hydra.initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra.compose(config_name=name, overrides=overrides)
+
+
+def run_hydra(task):
+    """Runs `task(config as an omegaconf DictConfig)` on the config that hydra.main composes from the
+    command line (`--config-name=NAME [key=value ...]`; --config-path, --cfg, --help and the rest of
+    hydra's flags work as usual). Hydra's errors of composing it (a mistyped key, a config that does
+    not exist, an override it cannot parse) are raised as a ConfigError: one line naming the key or
+    config and the nearest valid one, where hydra would print several lines of its own and exit 1."""
+    # Hydra reads a relative --config-path from the directory of the file that calls hydra.main: this
+    # one, where it was train.py's, the repository root. Made absolute from there, it keeps that meaning.
+    argv = rooted_config_path(sys.argv[1:], os.path.dirname(CONFIGS))
+    name, config_dir = flag(argv, "--config-name", "-cn"), flag(argv, "--config-path", "-cp") or CONFIGS
+
+    failed = []
+
+    def task_past_hydra(cfg):  # hydra would print a line of its own before raising the task's error
+        try:
+            if name is None:
+                raise no_config_given(config_dir)
+            task(cfg)
+        except Exception as e:
+            failed.append(e)
+
+    previous, command_line = os.environ.get("HYDRA_FULL_ERROR"), sys.argv
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # hydra raises its errors to us instead of printing them
+    sys.argv = command_line[:1] + argv  # what hydra.main parses
+    try:
+        hydra.main(config_path=CONFIGS, config_name=None, version_base=None)(task_past_hydra)()
+    except (HydraException, OmegaConfBaseException) as e:
+        raise hydra_error(e, name, config_dir) from None
+    finally:
+        sys.argv = command_line
+        if previous is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+    if failed:
+        raise failed[0]
+
+
+def rooted_config_path(argv: list[str], root: str) -> list[str]:
+    """`argv` with a relative --config-path (or -cp) value joined to `root`."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        for name in ("--config-path", "-cp"):
+            if arg.startswith(name + "=") and not os.path.isabs(arg[len(name) + 1 :]):
+                out[i] = f"{name}={os.path.join(root, arg[len(name) + 1 :])}"
+            elif arg == name and i + 1 < len(out) and not os.path.isabs(out[i + 1]):
+                out[i + 1] = os.path.join(root, out[i + 1])
+    return out
+
+
+def flag(argv: list[str], *names: str) -> str | None:
+    """The value of a command-line flag given as `--name=VALUE` or `--name VALUE` (the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg.startswith(name + "="):
+                value = arg[len(name) + 1 :]
+            elif arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+    return value
+
+
+def config_names(config_dir: str) -> list[str]:
+    """The configs that --config-name can name: the YAML files at the top of `config_dir`."""
+    names = os.listdir(config_dir) if os.path.isdir(config_dir) else []
+    return sorted(n.removesuffix(".yaml") for n in names if n.endswith(".yaml"))
+
+
+def nearest(word: str, candidates, prefix: str = "") -> str:
+    """`; did you mean X?` for the candidate closest to `word` (difflib's ratio), or "" when none is close."""
+    found = difflib.get_close_matches(word, list(candidates), n=1)
+    return f"; did you mean {prefix}{found[0]}?" if found else ""
+
+
+def dotted_keys(node, where: str = "") -> list[str]:
+    """Every key of a composed config, nested ones as `section.key`."""
+    if not isinstance(node, dict):
+        return []
+    return [k for key, value in node.items() for k in [f"{where}{key}", *dotted_keys(value, f"{where}{key}.")]]
+
+
+def hydra_error(error: Exception, name: str | None, config_dir: str) -> ConfigError:
+    """Hydra's (or omegaconf's) error of composing config `name` from `config_dir`, as one line."""
+    if name is None:
+        return no_config_given(config_dir)
+    if isinstance(error, MissingConfigException):
+        missing, names = error.missing_cfg_file or name, config_names(config_dir)
+        return ConfigError(f"there is no config {missing!r} in {config_dir}{nearest(str(missing), names)} "
+                           f"(the configs: {', '.join(names)})")
+    lines = [line.strip().rstrip(".") for line in str(error).strip().splitlines() if line.strip()]
+    if isinstance(error, OverrideParseException):
+        return ConfigError(f"cannot read the override {error.override!r}: {lines[0] if lines else error}; "
+                           "write overrides as key=value (hydra's override grammar)")
+    key = getattr(error.__cause__, "full_key", None)  # an override of a key the config does not have
+    try:
+        keys = dotted_keys(OmegaConf.to_container(compose(name, [], config_dir)))
+    except (HydraException, OmegaConfBaseException):
+        keys = []
+    if key and keys and key not in keys:
+        return ConfigError(f"config {name} has no key {key}{nearest(key, keys)}")
+    return ConfigError(f"config {name}: {'; '.join(lines) or type(error).__name__}")
+
+
+def no_config_given(config_dir: str) -> ConfigError:
+    return ConfigError(f"no config given: add --config-name=NAME, one of {', '.join(config_names(config_dir))}")

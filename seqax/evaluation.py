@@ -59,26 +59,35 @@ def read_examples(path: str) -> list[tuple[str, list[str], int]]:
     if not os.path.isfile(path):
         raise ConfigError(f"evaluation task {path!r} is not a file; evaluation.tasks lists JSONL files of "
                           '{"context": str, "choices": [str, ...], "label": int}')
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read evaluation task {path}: {e.strerror or e}") from None
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"evaluation task {path}, line {number}"
-            try:
-                example = json.loads(line)
-            except ValueError as e:
-                raise ConfigError(f"{where} is not JSON: {e}") from None
-            if (not isinstance(example, dict) or not isinstance(example.get("context"), str)
-                    or not isinstance(example.get("choices"), list) or len(example["choices"]) < 2
-                    or not all(isinstance(c, str) and c for c in example["choices"])
-                    or type(example.get("label")) is not int):
-                raise ConfigError(f'{where} must be {{"context": str, "choices": [two or more non-empty str], '
-                                  f'"label": int}}, got {line.strip()[:200]!r}')
-            if not 0 <= example["label"] < len(example["choices"]):
-                raise ConfigError(f"{where}: label {example['label']} is out of range for "
-                                  f"{len(example['choices'])} choices")
-            examples.append((example["context"], example["choices"], example["label"]))
+    for number, raw in enumerate(lines, start=1):
+        where = f"evaluation task {path}, line {number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{where} is not UTF-8 text (its byte {e.start + 1} is 0x{raw[e.start]:02x}); "
+                              "a task file is UTF-8 JSONL: convert it (iconv -t UTF-8) or fix that line") from None
+        if not line.strip():
+            continue
+        try:
+            example = json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{where} is not JSON: {e}") from None
+        if (not isinstance(example, dict) or not isinstance(example.get("context"), str)
+                or not isinstance(example.get("choices"), list) or len(example["choices"]) < 2
+                or not all(isinstance(c, str) and c for c in example["choices"])
+                or type(example.get("label")) is not int):
+            raise ConfigError(f'{where} must be {{"context": str, "choices": [two or more non-empty str], '
+                              f'"label": int}}, got {line.strip()[:200]!r}')
+        if not 0 <= example["label"] < len(example["choices"]):
+            raise ConfigError(f"{where}: label {example['label']} is out of range for "
+                              f"{len(example['choices'])} choices")
+        examples.append((example["context"], example["choices"], example["label"]))
     if not examples:
         raise ConfigError(f"evaluation task {path} has no examples")
     return examples

@@ -40,8 +40,9 @@ class Instruction:
     opcode: str
     operands: list[str]
     calls: list[str]  # computations it runs (fusion body, while body, branches, ...)
-    trip_count: int | None = None  # a while loop's, when XLA knows it
+    trip_count: int | None = None  # a while loop's, when the compiler wrote it down (GPU, CPU)
     attributes: str = ""  # everything after the operands, as written
+    arguments: str = ""  # what the parentheses hold, as written (a constant's value)
 
     @property
     def op_name(self) -> str:
@@ -108,7 +109,8 @@ def parse_instruction(name: str, rest: str) -> Instruction:
         calls += re.findall(r"%([\w.\-]+)", branches)
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
     shape = rest[: match.start(1)].strip()
-    return Instruction(name, shape, opcode, operands, calls, int(trip.group(1)) if trip else None, attributes)
+    return Instruction(name, shape, opcode, operands, calls, int(trip.group(1)) if trip else None, attributes,
+                       rest[match.end() : close])
 
 
 @dataclass
@@ -177,6 +179,40 @@ def entry(computations: dict[str, Computation]) -> Computation:
     return next(c for c in computations.values() if c.is_entry)
 
 
+def loop_trips(loop: Instruction, computation: Computation, computations: dict[str, Computation]) -> int | None:
+    """How many times a while loop runs: the trip count the compiler wrote down (GPU and CPU do),
+    else read from the loop (the TPU compiler writes none): a condition `counter < N` (directly or
+    in a fusion) with N a constant, the counter starting at the constant the loop's initial tuple
+    holds there. None when the bound is not a constant (a loop whose length depends on data)."""
+    if loop.trip_count is not None:
+        return loop.trip_count
+    condition = computations.get(loop.attribute("condition").lstrip("%")) if loop.attribute("condition") else None
+    if condition is None or not condition.instructions:
+        return None
+    by_name = {i.name: i for i in condition.instructions}
+    root = condition.instructions[-1]
+    if root.opcode == "fusion" and root.calls and root.calls[0] in computations:  # compare(p0, p1) inside
+        body = computations[root.calls[0]]
+        inner = body.instructions[-1]
+        parameters = {i.name: int(i.arguments) for i in body.instructions if i.opcode == "parameter"}
+        if inner.opcode != "compare" or any(o not in parameters for o in inner.operands):
+            return None
+        root = Instruction(root.name, inner.shape, "compare", [root.operands[parameters[o]] for o in inner.operands],
+                           [], None, inner.attributes)
+    if root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
+        return None
+    counter, bound = (by_name.get(o) for o in root.operands)
+    if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+        return None
+    init = {i.name: i for i in computation.instructions}.get(loop.operands[0]) if loop.operands else None
+    start = 0  # scan and fori_loop counters start at 0 when the initial tuple does not say
+    if init is not None and init.opcode == "tuple":
+        element = {i.name: i for i in computation.instructions}.get(init.operands[int(counter.attribute("index"))])
+        if element is not None and element.opcode == "constant":
+            start = int(element.arguments)
+    return max(0, int(bound.arguments) - start)
+
+
 def runs_per_call(computations: dict[str, Computation]) -> tuple[dict[str, int], set[str]]:
     """How many times each computation reached from the entry runs when the program runs once: a
     while body its trip count times per run of the computation holding the loop, everything else
@@ -193,9 +229,10 @@ def runs_per_call(computations: dict[str, Computation]) -> tuple[dict[str, int],
             uncounted.add(name)
         for inst in computations[name].instructions:
             loop = inst.opcode == "while"
+            trips = loop_trips(inst, computations[name], computations) if loop else None
             for called in inst.calls:
-                visit(called, times * (inst.trip_count or 1) if loop else times, path + (name,),
-                      unknown or (loop and inst.trip_count is None))
+                visit(called, times * (trips or 1) if loop else times, path + (name,),
+                      unknown or (loop and trips is None))
 
     visit(entry(computations).name, 1, (), False)
     return dict(runs), uncounted

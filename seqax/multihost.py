@@ -15,7 +15,7 @@ import jax
 from seqax import watchdog
 from seqax.config import ConfigError, DistributedConfig, DistributedError, SeqaxError
 from seqax.console import signature
-from seqax.signals import exit_on_sigterm
+from seqax.signals import exit_on_signal
 
 
 def _env_int(name: str) -> int | None:
@@ -135,10 +135,10 @@ def make_mesh(d: int, t: int, c: int = 1, devices=None) -> jax.sharding.Mesh:
 
 
 def run_program(program):
-    """Runs `program()`, the whole of a command that may be one of several processes: SIGTERM stops
-    it with one line until its training loop takes SIGTERM over; a SeqaxError is printed as one line
+    """Runs `program()`, the whole of a command that may be one of several processes: SIGTERM or
+    Ctrl-C stops it with one line, outside its training loop (signals.py); a SeqaxError is printed as one line
     (process 0 stops the others with a line first) and exits 2; a lost peer is named in one line."""
-    exit_on_sigterm(lambda: signature(watchdog.process_index()))
+    exit_on_signal(lambda: signature(watchdog.process_index()))
     try:
         program()
         watchdog.leave()  # the other processes' watchdogs take this exit for a finish, not a death

@@ -1,11 +1,14 @@
 """A profiler trace of a few training steps: jax.profiler's trace (perfetto_trace.json.gz and the
 xplane) of the steps `steps` (usually the two after a process's first, which waits for
-compilation), written to <run>/profile on process 0.
+compilation), written to <run>/profile on process 0. The profile is optional: a trace that cannot
+be started or written (a full disk, no permission) is one warning, and training goes on.
 """
 
 import time
 
 import jax
+
+from seqax.console import warn
 
 
 class ProfileWindow:
@@ -20,8 +23,11 @@ class ProfileWindow:
     def before_step(self, step: int, state):
         if self.steps and step == self.steps[0]:
             jax.block_until_ready(state)
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-            self.tracing = True
+            try:
+                jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+                self.tracing = True
+            except Exception as e:  # whatever kind the profiler raises: the profile is optional
+                self.give_up(e)
 
     def after_step(self, step: int, metrics) -> float | None:
         """When `step` is the last traced one: waits for it, stops the trace and returns the
@@ -30,16 +36,29 @@ class ProfileWindow:
             return None
         jax.block_until_ready(metrics)
         finished = time.perf_counter()
-        self.close()
-        print(f"profile of steps {self.steps[0]}-{step} written to {self.directory} "
-              "(perfetto_trace.json.gz opens in https://ui.perfetto.dev)", flush=True)
+        if self.close():
+            print(f"profile of steps {self.steps[0]}-{step} written to {self.directory} "
+                  "(perfetto_trace.json.gz opens in https://ui.perfetto.dev)", flush=True)
         self.steps = range(0)
         return finished
 
-    def close(self):
-        if self.tracing:
+    def close(self) -> bool:
+        """Stops a running trace and writes it; whether one was written."""
+        if not self.tracing:
+            return False
+        self.tracing = False
+        try:
             jax.profiler.stop_trace()
-            self.tracing = False
+            return True
+        except Exception as e:  # RESOURCE_EXHAUSTED on a full disk, an OSError, ...: the profile is optional
+            self.give_up(e)
+            return False
+
+    def give_up(self, error: Exception):
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warn(f"could not write the profile of steps {self.steps[0]}-{self.steps[-1]} to {self.directory}: {first}; "
+             "training goes on without it (the profile is optional)")
+        self.steps = range(0)
 
 
 def steps_to_profile(start: int, steps: int, count: int) -> range:

@@ -5,11 +5,15 @@ and the config in Weights & Biases (wandb_log.py). It also runs the profiler's w
 which shares the step timing. Only process 0 prints and writes.
 
 A step's scalars are read after the next step has been dispatched, so logging never makes the
-device wait.
+device wait. A record that cannot be written (a full disk, no permission) stops the run with one
+line naming the file (OutputError), where the loop is between steps and its checkpoints are
+whole; after that, nothing more is written. (The profile is optional: profiler.py warns instead.)
 """
 
 import collections
+import contextlib
 import datetime
+import glob
 import json
 import os
 import sys
@@ -18,8 +22,10 @@ import time
 import jax
 import numpy as np
 import yaml
+from jax.experimental import multihost_utils
 
-from seqax import hardware
+from seqax import hardware, wandb_log
+from seqax.config import OutputError
 from seqax.profiler import ProfileWindow, steps_to_profile
 from seqax.wandb_log import WandbLog
 
@@ -42,6 +48,37 @@ def import_tensorboardx():
 
 
 tensorboardX = import_tensorboardx()
+Event, SessionLog = tensorboardX.proto.event_pb2.Event, tensorboardX.proto.event_pb2.SessionLog
+
+
+class TensorBoardFile:
+    """The TensorBoard events of one process start: one event file in `directory`, named with
+    `suffix`, written from the caller's thread and flushed every FLUSH_SECONDS and at close(), so
+    that a failed write (a full disk) raises where the loop can stop. (tensorboardX's SummaryWriter
+    writes from a thread of its own, which a full disk ends with a traceback, after which the
+    loop's next add_scalar waits for ever on the full queue.) `purge_step`: as SummaryWriter's,
+    TensorBoard hides the events of earlier files at this step and after."""
+
+    FLUSH_SECONDS = 10
+
+    def __init__(self, directory: str, purge_step: int | None, suffix: str):
+        os.makedirs(directory, exist_ok=True)
+        self.events = tensorboardX.event_file_writer.EventsWriter(os.path.join(directory, "events"), suffix)
+        self.path = glob.glob(os.path.join(directory, f"events.out.tfevents.*{suffix}"))[0]
+        if purge_step is not None:
+            self.events.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self.events.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+        self.flushed = time.monotonic()
+
+    def add_scalar(self, tag: str, value: float, step: int):
+        summary = tensorboardX.summary.scalar(tag, value)
+        self.events.write_event(Event(wall_time=time.time(), step=step, summary=summary))
+        if time.monotonic() - self.flushed > self.FLUSH_SECONDS:
+            self.events.flush()
+            self.flushed = time.monotonic()
+
+    def close(self):
+        self.events.close()
 
 
 def _duration(seconds: float) -> str:
@@ -58,6 +95,15 @@ def open_lines_for_append(path: str):
             if data and not data.endswith(b"\n"):
                 f.truncate(data.rfind(b"\n") + 1)
     return open(path, "a")
+
+
+def parsed(line: str) -> dict:
+    """A metrics.jsonl line as a dict; {} for one that is not a JSON object (edited by hand, say)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 class RunRecords:
@@ -87,28 +133,60 @@ class RunRecords:
         self.dispatched: dict[int, float] = {}
         self.finished: dict[int, float] = {}
         self.last_end, self.wandb = 0.0, None
+        self.metrics_file = self.tensorboard = None
+        self.failed = False  # a write failed: nothing more is written
         if not self.writes:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        with self.writing(run_dir):
+            os.makedirs(run_dir, exist_ok=True)
+        with self.writing(os.path.join(run_dir, "config.yaml")) as path, open(path, "w") as f:
             f.write(resolved_yaml)
-        self.metrics_file = open_lines_for_append(os.path.join(run_dir, "metrics.jsonl"))
+        with self.writing(os.path.join(run_dir, "metrics.jsonl")) as path:
+            self.metrics_file = open_lines_for_append(path)
         # One event file per process start (the suffix keeps two starts in one second apart).
         # On resume, purge_step hides the events of steps >= start that an earlier process wrote
         # after its last checkpoint: TensorBoard shows each step once, with the values of the
         # run that continued (metrics.jsonl keeps both lines).
-        self.tensorboard = tensorboardX.SummaryWriter(
-            os.path.join(run_dir, "tensorboard"), purge_step=start or None, flush_secs=10,
-            filename_suffix=f".step{start}.pid{os.getpid()}")
-        self.wandb = (WandbLog(run_dir, cfg.logging, yaml.safe_load(resolved_yaml)) if cfg.logging.wandb_project
-                      else None)
+        with self.writing(os.path.join(run_dir, "tensorboard")) as path:
+            self.tensorboard = TensorBoardFile(path, start or None, f".step{start}.pid{os.getpid()}")
+        with self.writing(os.path.join(run_dir, wandb_log.RUN_ID_FILE)):
+            self.wandb = (WandbLog(run_dir, cfg.logging, yaml.safe_load(resolved_yaml)) if cfg.logging.wandb_project
+                          else None)
         self.peak, source = hardware.peak_flops()
+        # On CPU the peak is measured, so it is only the best rate seen: a step faster than that raises it.
+        self.peak_is_measured, self.announced_peak = jax.devices()[0].platform == "cpu", self.peak
         self.print(f"peak bf16 FLOP/s for MFU: {source}: "
                    + (f"{self.peak / 1e12:.4g} TFLOP/s" if self.peak else "unknown, MFU is null"))
 
     def print(self, text: str):
         if self.writes:
             print(text, flush=True)
+
+    @contextlib.contextmanager
+    def writing(self, path: str):
+        """A block that writes `path` (given to it): its OSError (a full disk, no permission) is an
+        OutputError naming the file, and every later write of these records is skipped."""
+        try:
+            yield path
+        except OSError as e:
+            self.failed = True
+            where = e.filename if isinstance(e.filename, str) and e.filename.startswith(self.run_dir) else path
+            raise OutputError(f"cannot write {where}: {e.strerror or e}; the run stops here, its checkpoints "
+                              "intact: free space (or fix the permission) and run the same command again to "
+                              "resume from the newest checkpoint") from None
+
+    def missing_evaluations(self, steps: list[int]) -> list[int]:
+        """Those of `steps` (the same list on every process) whose evaluation line metrics.jsonl lacks:
+        process 0 reads the file, and every process gets its answer."""
+        if self.writes:
+            with open(self.metrics_file.name) as f:
+                evaluated = {line.get("step") for line in map(parsed, f) if "eval_time" in line}
+            missing = np.array([step not in evaluated for step in steps])
+        else:
+            missing = np.zeros(len(steps), bool)
+        if jax.process_count() > 1 and steps:
+            missing = multihost_utils.broadcast_one_to_all(missing)
+        return [step for step, m in zip(steps, missing) if m]
 
     # --- the loop
 
@@ -138,25 +216,41 @@ class RunRecords:
         end = self.finished.pop(step, time.perf_counter())
         step_time = max(end - max(self.last_end, self.dispatched.pop(step, end)), 1e-9)
         self.last_end = end
-        if not self.writes:
+        if not self.writes or self.failed:
             return
         self.recent_step_times.append(step_time)
         tokens_per_second = self.tokens_per_step / step_time
-        mfu = self.model_flops_per_token * tokens_per_second / self.peak if self.peak else None
+        model_flops = self.model_flops_per_token * tokens_per_second
+        if self.peak_is_measured and self.peak and model_flops > self.peak:
+            self.raise_peak(step, model_flops)
+        mfu = model_flops / self.peak if self.peak else None
         line = {"step": step, **values, "step_time": step_time, "tokens_per_second": tokens_per_second, "mfu": mfu}
         self.write_line(line)
-        for key, value in line.items():
-            if key != "step" and value is not None:
-                self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
+        with self.writing(self.tensorboard.path):
+            for key, value in line.items():
+                if key != "step" and value is not None:
+                    self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
         eta = _duration(float(np.mean(self.recent_step_times)) * (self.cfg.training.steps - step - 1))
         print(f"step {step:6d}/{self.cfg.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
               f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
 
+    def raise_peak(self, step: int, model_flops: float):
+        """A step ran the model's FLOPs faster than the measured peak (the CPU was busier at the
+        measurement): that rate is the peak from now on, so that MFU stays at most 100%. Said in a
+        line when it has grown by more than a tenth since the last one said."""
+        self.peak = model_flops
+        if model_flops > 1.1 * self.announced_peak:
+            print(f"MFU's peak raised to {model_flops / 1e12:.4g} TFLOP/s: step {step} ran the model's FLOPs "
+                  f"faster than the {self.announced_peak / 1e12:.4g} measured before (the CPU was busier then); "
+                  "MFU is against the best rate seen", flush=True)
+            self.announced_peak = model_flops
+
     def write_line(self, line: dict):
         """A line of metrics.jsonl, and the same values to W&B when it is on."""
-        self.metrics_file.write(json.dumps(line) + "\n")
-        self.metrics_file.flush()
+        with self.writing(self.metrics_file.name):
+            self.metrics_file.write(json.dumps(line) + "\n")
+            self.metrics_file.flush()
         if self.wandb is not None:
             self.wandb.log(line)
 
@@ -170,22 +264,35 @@ class RunRecords:
         started = time.perf_counter()
         metrics = {**evaluate(token_losses), "eval_time": 0.0}
         metrics["eval_time"] = time.perf_counter() - started
-        if not self.writes:
+        if not self.writes or self.failed:
             return
         self.write_line({"step": step, **metrics})
-        for key, value in metrics.items():
-            self.tensorboard.add_scalar(f"perf/{key}" if key == "eval_time" else key, value, step)
+        with self.writing(self.tensorboard.path):
+            for key, value in metrics.items():
+                self.tensorboard.add_scalar(f"perf/{key}" if key == "eval_time" else key, value, step)
         shown = "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_time")
         steps = (f" = {metrics['eval_time'] / float(np.median(self.recent_step_times)):.1f} training steps"
                  if self.recent_step_times else "")
         self.print(f"eval {step:6d}/{self.cfg.training.steps}  {shown}  ({metrics['eval_time']:.2f} s{steps})")
 
-    def close(self):
-        self.flush()
+    def close(self, quietly: bool = False):
+        """Flushes and closes every record. A write that fails here is an OutputError, unless the
+        run is already stopping for an error (`quietly`, or a write of these records failed): that
+        error is the one the user needs to see."""
+        unless_quiet = contextlib.suppress(OutputError) if quietly or self.failed else contextlib.nullcontext()
+        with unless_quiet:
+            self.flush()
         self.profile.close()  # the run stopped inside the profiled steps
-        if not self.writes:
-            return
-        self.tensorboard.close()
-        self.metrics_file.close()
+        for path, writer in ((getattr(self.tensorboard, "path", ""), self.tensorboard),
+                             (getattr(self.metrics_file, "name", ""), self.metrics_file)):
+            with unless_quiet, self.writing(path):
+                if writer is not None:
+                    writer.close()  # flushes what it holds: after a failure, what still fits
         if self.wandb is not None:
             self.wandb.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, error, traceback):
+        self.close(quietly=error is not None)

@@ -81,7 +81,25 @@ class Kernel:
 
 def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
     """2 per multiply-add of a dot: 2 x its output's elements x the product of the contracted
-    dimensions of its left operand (dimension numbers from its attributes or its backend_config)."""
+    dimensions of its left operand (dimension numbers from its attributes or its backend_config). The
+    TPU compiler writes a matmul as a convolution, a batched one with dilated windows whose taps
+    are mostly zeros: its FLOPs are 2 x its output's elements x the contracted size of the einsum it
+    came from (JAX's op_name, 'abcde,abfe->abcdf/dot_general', whose letters size the left operand),
+    else the kernel's elements per output feature."""
+    out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
+    if inst.opcode == "convolution":
+        spec = re.search(r"/(\w+),(\w+)->(\w+)/dot_general", inst.op_name)
+        lhs, rhs = (hlo.arrays(shape)[0][1] for shape in operand_shapes[:2])
+        if spec:
+            left, right, result = spec.groups()
+            contracted = set(left) & set(right) - set(result)
+            if len(left) == len(lhs):  # the operand kept the einsum's dimensions
+                sizes = dict(zip(left, lhs))
+                return 2.0 * math.prod(out) * math.prod(sizes[letter] for letter in contracted)
+            if not set(left) & set(right) & set(result):  # no batch dimension: lhs x rhs / out = K^2
+                return 2.0 * math.prod(out) * math.sqrt(math.prod(lhs) * math.prod(rhs) / math.prod(out))
+        rhs_labels = (inst.attribute("dim_labels") or "_o->").split("->")[0].split("_")[1]
+        return 2.0 * math.prod(out) * math.prod(rhs) / rhs[rhs_labels.index("o")]
     contracting = inst.attribute("lhs_contracting_dims")
     if contracting is not None:
         dims = [int(d) for d in contracting.strip("{}").split(",") if d]
@@ -89,7 +107,6 @@ def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
         numbers = inst.backend_config.get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
         dims = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
     lhs = hlo.arrays(operand_shapes[0])[0][1]
-    out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
 
 
@@ -205,8 +222,9 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
             if op in PLUMBING or op.endswith("-done") or op == "async-done":
                 continue
             if op == "while":
-                trips = inst.trip_count if inst.trip_count is not None else (outer_trips + 1) / 2
-                visit(inst.calls[0], runs * trips, inst.trip_count or 1, out)
+                known = hlo.loop_trips(inst, computation, module.computations)
+                trips = known if known is not None else (outer_trips + 1) / 2
+                visit(inst.calls[0], runs * trips, known or 1, out)
             elif op == "conditional":
                 branches = []
                 for branch in inst.calls:

@@ -16,17 +16,20 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from seqax.config import ConfigError
+from seqax.config import ConfigError, OutputError
 
 LOCK_FILE = ".lock"
 
 
 def _take(run_dir: str) -> int:
-    """This process locks `run_dir` (creating it); a held lock is a ConfigError naming its holder.
-    Returns the locked file descriptor; closing it releases the lock."""
-    os.makedirs(run_dir, exist_ok=True)
-    # no truncation: the holder's line stays
-    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    """This process locks `run_dir` (creating it); a held lock is a ConfigError naming its holder, a
+    directory it cannot write an OutputError. Returns the locked file descriptor; closing it releases the lock."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # no truncation: the holder's line stays
+    except OSError as e:
+        raise unwritable(e, path) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -34,9 +37,19 @@ def _take(run_dir: str) -> int:
         os.close(fd)
         raise ConfigError(f"run directory {run_dir!r} is in use by a live run ({holder}); "
                           "wait for it to end, or choose another paths.model_name") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    except OSError as e:
+        os.close(fd)
+        raise unwritable(e, path) from None
     return fd
+
+
+def unwritable(error: OSError, path: str) -> OutputError:
+    return OutputError(f"cannot write {error.filename or path}: {error.strerror or error}; a run writes its directory "
+                       "paths.root_working_dir/paths.model_name: free space or make it writable, or choose another "
+                       "paths.root_working_dir")
 
 
 @contextlib.contextmanager
@@ -46,7 +59,7 @@ def hold(run_dir: str):
     if jax.process_index() == 0:
         try:
             fd = _take(run_dir)
-        except ConfigError as e:
+        except (ConfigError, OutputError) as e:
             error = e
     if jax.process_count() > 1 and not np.all(multihost_utils.process_allgather(np.array([error is None]))):
         raise error or ConfigError(f"process 0 could not lock the run directory {run_dir!r}; its line says why")

@@ -8,7 +8,9 @@ import dataclasses
 import os
 
 import jax
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict
@@ -34,7 +36,11 @@ def load_run_config(run_dir: str) -> RunConfig:
     if not os.path.exists(path):
         raise ConfigError(f"{path} does not exist; "
                           "--run-dir must be a run directory (paths.root_working_dir/paths.model_name)")
-    cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"cannot read {path}: {first}; --run-dir must be a seqax run directory") from None
     try:
         dataset_path, seq_len = cfg["dataset"]["path"], cfg["training"]["tokens"]["len"]
         model, checkpoints = cfg["model"], cfg["checkpoints"]

@@ -160,6 +160,8 @@ def _write_at(path: str, offset: int, data: np.ndarray):
             crc = google_crc32c.extend(crc, piece)
             os.pwrite(fd, piece, offset + start)
         os.pwrite(fd, np.uint32(crc).tobytes(), offset + flat.nbytes)
+    except OSError as e:  # a full disk's failed write names no file: this one
+        raise OSError(e.errno, e.strerror, path) from e
     finally:
         os.close(fd)
 

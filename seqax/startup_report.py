@@ -2,7 +2,9 @@
 time; the model's FLOPs against XLA's count; the optimized HLO (training_step.hlo.txt) and its
 graph (training_step.dot and .svg, drawn by graphviz in the background); the memory report
 (memory_report.txt, memory.py) and the communication report (communication_report.txt,
-communication.py). Only process 0 prints and writes.
+communication.py). Only process 0 prints and writes. A report that cannot be written (a full
+disk, no permission) stops the run before its first step with one line naming the file; the
+graph is optional: it warns instead.
 """
 
 import dataclasses
@@ -15,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from seqax import communication, hlo_graph, memory
+from seqax.config import OutputError
 from seqax.console import warn
 
 DOT_WAIT_SECONDS = 30  # how long the end of a run waits for graphviz, which started at compile time
@@ -77,9 +80,14 @@ class StartupReport:
             print(text, flush=True)
 
     def write(self, name: str, text: str):
+        path = os.path.join(self.run_dir, name)
         if self.writes:
-            with open(os.path.join(self.run_dir, name), "w") as f:
-                f.write(text)
+            try:
+                with open(path, "w") as f:
+                    f.write(text)
+            except OSError as e:
+                raise OutputError(f"cannot write {path}: {e.strerror or e}; the run stops before its first step: "
+                                  "free space (or fix the permission) and run the same command again") from None
 
     def compile(self, lower_and_compile, flops_per_token, optimizer_flops):
         """Runs `lower_and_compile()` (returns a jax Compiled), prints the compile time and the FLOPs
@@ -100,7 +108,12 @@ class StartupReport:
         except Exception as e:  # a picture must not stop a run, e.g. if a new XLA prints HLO differently
             warn(f"could not draw the HLO graph of training_step.hlo.txt: {e!r}")
             return
-        self.write("training_step.dot", graph)
+        try:
+            with open(path("dot"), "w") as f:
+                f.write(graph)
+        except OSError as e:
+            warn(f"could not write {path('dot')}: {e.strerror or e}; there is no graph of the step (it is optional)")
+            return
         if shutil.which("dot") is None:
             warn("graphviz's `dot` is not installed, so there is no training_step.svg (training_step.dot is written); "
                  "install it with `apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz`")

@@ -129,3 +129,10 @@ TARGETS = {t.name: t for t in [
            vector_flops=918e12 / 16, link_bandwidth=224 * GB, network_bandwidth=224 * GB, devices_per_host=8,
            sources=TPU),
 ]}
+
+
+def target_for(device_kind: str) -> Target | None:
+    """The target whose device_kind `device_kind` is (a real device may add to the name: "NVIDIA
+    H200 141GB HBM3e"), the longest such name first ("TPU v5 lite" before "TPU v5"); None if none."""
+    matches = [t for t in TARGETS.values() if device_kind.startswith(t.device_kind)]
+    return max(matches, key=lambda t: len(t.device_kind), default=None)

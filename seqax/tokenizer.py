@@ -129,8 +129,16 @@ def load_tokenizer(name: str, eos: bool = True, eos_token: str | None = None):
                                  "the bytes tokenizer's end of document is id 257 (turn it off with --no-eos)")
         return ByteTokenizer(eos)
     if os.path.exists(name):
-        with open(name, encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(name, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise TokenizerError(f"cannot read tokenizer file {name!r}: {e.strerror or e}") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"tokenizer file {name!r} is not UTF-8 text (its byte {e.start} from the start is "
+                                 f"0x{data[e.start]:02x}); a tokenizer.json is UTF-8 JSON") from None
         try:
             json.loads(text)
         except ValueError as e:

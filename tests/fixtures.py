@@ -1,12 +1,15 @@
 """What several test files share: a tiny config and meshes, random batches, weights and states,
 datasets written in this process, and `python -m train` as a child process."""
 
+import contextlib
+import errno
 import os
 import subprocess
 import sys
 
 import jax
 import numpy as np
+import pytest
 
 import train
 from seqax import config
@@ -210,3 +213,40 @@ def snapshot(path) -> dict:
             with open(os.path.join(d, f), "rb") as fh:
                 out[os.path.relpath(os.path.join(d, f), path)] = fh.read()
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Small and read-only disks, as the kernel makes them.
+
+
+@contextlib.contextmanager
+def mounted(path, options: str):
+    """A fresh tmpfs mounted at `path` (created if need be) with mount options `options` (`size=3m`: a
+    disk that fills after 3 MiB; `ro`: read-only) for the block, then unmounted. Needs the right to
+    mount (root, or CAP_SYS_ADMIN in a container); where it is missing, the test is skipped, saying so.
+    (A read-only directory is no test as root, whom file permissions do not stop.)"""
+    os.makedirs(path, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True,
+                            text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs at {path} (this test needs root or CAP_SYS_ADMIN): "
+                    f"{(result.stderr or result.stdout).strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)  # lazy: a child's open file does not block it
+
+
+def fill(disk) -> str:
+    """Writes a file over every free byte of the file system at `disk`; returns its path."""
+    path = os.path.join(disk, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(fd)
+    return path

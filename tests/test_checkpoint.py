@@ -23,7 +23,9 @@ from jax.sharding import NamedSharding
 
 import train
 from fixtures import (
+    fill,
     make_mesh,
+    mounted,
     put_batch,
     random_batch,
     random_state,
@@ -168,12 +170,14 @@ DAMAGES = [("none", garble), ("none", truncate), ("none", os.remove), ("none", u
 
 
 @pytest.mark.parametrize("compression,damage", DAMAGES)
-def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, compression, damage):
+def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, compression, damage, capsys):
     values = sample_values()
     checkpointer = saved(tmp_path, values, steps=[1, 2], compression=compression)
     damage(str(tmp_path / "0000000002" / "weights.w" / "c" / "0" / "0"))  # one process: the whole array is one shard
-    with pytest.warns(UserWarning, match="0000000002 is damaged"):
-        step, tree = checkpointer.restore(*targets_on(values, make_mesh(8, 1)))
+    capsys.readouterr()
+    step, tree = checkpointer.restore(*targets_on(values, make_mesh(8, 1)))
+    warned = capsys.readouterr().err.splitlines()  # one line, without Python's source line of a UserWarning
+    assert len(warned) == 1 and re.match(r"seqax: warning: checkpoint .*0000000002 is damaged", warned[0]), warned
     assert step == 1 and host_bytes(tree) == value_bytes(values)
     assert checkpointer.complete_steps() == [1]  # the damaged one is moved aside, to be written again
     assert [n.split(".")[:3] for n in os.listdir(tmp_path) if n.startswith(".")] == [["", "damaged", "0000000002"]]
@@ -182,14 +186,16 @@ def test_damaged_checkpoint_falls_back_to_the_previous_one(tmp_path, compression
     assert checkpointer.complete_steps() == [1, 2]
 
 
-def test_every_checkpoint_damaged_is_an_error(tmp_path):
+def test_every_checkpoint_damaged_is_an_error(tmp_path, capsys):
     values = sample_values()
     checkpointer = saved(tmp_path, values, steps=[1])
     garble(str(tmp_path / "0000000001" / "norm" / "c" / "0"))
-    with (pytest.warns(UserWarning, match="0000000001 is damaged"),
-          pytest.raises(CheckpointError, match="every committed checkpoint")):
+    capsys.readouterr()
+    with pytest.raises(CheckpointError, match="every committed checkpoint"):
         checkpointer.restore(*targets_on(values, make_mesh(4, 2)))
     checkpointer.close()
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and re.match(r"seqax: warning: checkpoint .*0000000001 is damaged", warned[0]), warned
 
 
 def test_uncommitted_checkpoint_is_skipped_and_later_overwritten(tmp_path):
@@ -281,6 +287,43 @@ def test_failed_background_write_stops_training(tmp_path, monkeypatch):
             time.sleep(0.01)
     checkpointer.close()
     assert checkpointer.latest_step() is None
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_a_full_disk_names_the_file_whose_write_failed(tmp_path, compression):
+    """On a real full disk (a 1 MiB tmpfs for 2 MiB of weights) the OS's error names no file; the line
+    names the file (direct writes) or the array (zarr's) whose write failed, as a read-only disk's does."""
+    mesh = make_mesh(8, 1)
+    noise = np.random.default_rng(0).standard_normal((1024, 512)).astype(np.float32)  # zstd cannot shrink it
+    big = jax.device_put(noise, NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
+    with mounted(tmp_path / "disk", "size=1m"):
+        checkpointer = Checkpointer(str(tmp_path / "disk" / "checkpoints"), checkpoint_config(compression=compression,
+                                                                                               level=1))
+        checkpointer.save(1, {"w": big})
+        where = r"0000000001/w/c/\d+/0" if compression == "none" else r"0000000001/w"
+        with pytest.raises(CheckpointError, match=rf"failed: No space left on device \(\S*{where}\); "
+                                                  "no checkpoint was committed"):
+            checkpointer.wait()
+        checkpointer.close()
+
+
+def test_a_save_that_a_full_disk_stopped_at_its_first_file_is_not_taken_for_damage(tmp_path):
+    """The group's zarr.json, written first, not written (or cut short) on a full disk, and the
+    save's `.failed` marker: an uncommitted save, deleted at the restore (was: a damaged checkpoint,
+    and with no other, `every committed checkpoint ... is damaged`: a run that could not resume)."""
+    with mounted(tmp_path / "disk", "size=1m") as disk:
+        checkpointer = Checkpointer(str(disk / "checkpoints"), checkpoint_config())
+        os.makedirs(disk / "checkpoints")
+        filler = fill(disk)
+        checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
+        with pytest.raises(CheckpointError, match=r"No space left on device \(\S*0000000001"):
+            checkpointer.wait()
+        left = set(os.listdir(disk / "checkpoints" / "0000000001")) - {"zarr.json"}
+        assert len(left) == 1 and left.pop().startswith(".failed."), left
+        os.remove(filler)
+        assert checkpointer.restore(*targets_on(sample_values(), make_mesh(4, 2))) is None
+        assert os.listdir(disk / "checkpoints") == []
+        checkpointer.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from seqax.config import ConfigError, config_from_dict
+from seqax.config import ConfigError, config_from_dict, load_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ def test_config_loads_nested_frozen_dataclasses():
         ({"steps": 3, "inner": {"rate": 1.0}, "flag": True},
          r"config is missing key inner.name \(set it in the YAML or with \+inner.name=...\)"),
         ({"steps": 3, "inner": {"rate": 1.0, "name": "x", "nmae": 2}, "flag": True},
-         r"unknown config key inner.nmae \(known keys here: name, rate\)"),
+         r"unknown config key inner.nmae; did you mean inner.name\? \(known keys here: name, rate\)"),
         ({"steps": "3", "inner": {"rate": 1.0, "name": "x"}, "flag": True}, r"config key steps must be int, got '3'"),
         ({"steps": True, "inner": {"rate": 1.0, "name": "x"}, "flag": True}, r"config key steps must be int, got True"),
         ({"steps": 3, "inner": 5, "flag": True}, r"config key inner must be a mapping, got 5"),
@@ -43,3 +43,17 @@ def test_config_loads_nested_frozen_dataclasses():
 def test_config_errors_name_the_key(values, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(Outer, values)
+
+
+@pytest.mark.parametrize("name,overrides,message", [
+    ("local_test_synthetic", ["model.d_modl=4"], r"^config local_test_synthetic has no key model.d_modl; did you mean "
+                                                 r"model.d_model\?$"),
+    ("local_test_synthetc", [], r"^there is no config 'local_test_synthetc' in \S+; did you mean "
+                                r"local_test_synthetic\?"),
+    ("local_test_synthetic", ["~training.stepz"], r"^config local_test_synthetic: Could not delete from config\. "
+                                                   r"'training.stepz' does not exist$"),
+])
+def test_hydras_errors_are_config_errors(name, overrides, message):
+    """What config.load_config (the benchmarks' loader) raises where hydra's composition fails."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(name, ["+paths.model_name=x", *overrides])

@@ -64,6 +64,29 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, message):
         evaluation.read_examples(path)
 
 
+def test_a_line_that_is_not_utf8_is_named_by_file_line_and_byte(tmp_path):
+    path = tmp_path / "task.jsonl"
+    path.write_bytes(GOOD.encode() + b"\n" + b'{"context": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    with pytest.raises(ConfigError, match=rf"^evaluation task {path}, line 2 is not UTF-8 text "
+                                          r"\(its byte 17 is 0xe9\); a task file is UTF-8 JSONL"):
+        evaluation.read_examples(str(path))
+
+
+@pytest.mark.slow
+def test_a_task_file_that_is_not_utf8_stops_the_command_with_one_line(tmp_path):
+    """`python -m train` with a binary task file (was: a 26-line UnicodeDecodeError traceback)."""
+    dataset = prepared_dataset(tmp_path / "data.zarr", os.path.dirname(email.__file__), "--suffixes", ".py",
+                               "--validation-documents", "2")
+    task = tmp_path / "binary.jsonl"
+    task.write_bytes(bytes(range(128, 256)) * 4 + b"\n")
+    overrides = tiny_overrides("model.vocab=264", "training.tokens.len=64", f"evaluation.tasks=[{task}]")
+    result = run_train(train_args(tmp_path, dataset, "run", *overrides), graph=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"seqax: error: evaluation task {task}, line 1 is not UTF-8 text (its byte 1 is 0x80); a task file is "
+        "UTF-8 JSONL: convert it (iconv -t UTF-8) or fix that line"], result.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
 def test_text_the_tokenizer_cannot_encode_is_named_by_example(tmp_path):
     """A tokenizer.json without the characters of a task (a word-level vocabulary with [UNK]) would
     read other text: the example is named; the bytes tokenizer encodes anything."""
@@ -248,3 +271,27 @@ def test_eval_loss_steps_restart_mesh_and_reference(validation_dataset, tmp_path
                                                     b["loss_mask"]))(weights) for b in batches]
     expected = float(np.mean(losses))
     assert abs(again[1]["eval_loss"] - expected) <= 1e-4 * expected, (again[1]["eval_loss"], expected)
+
+
+@pytest.mark.slow  # three runs, the last two without a training step
+def test_an_evaluation_that_a_kill_left_undone_runs_on_resume_once(validation_dataset, tmp_path):
+    """A run killed after checkpoint N committed and before evaluation N was logged (at eval_interval,
+    or the final one: the rerun found checkpoint N = training.steps and exited without it) left
+    metrics.jsonl without that line. The next start evaluates each committed checkpoint whose
+    evaluation is due and missing, with the values it would have had; the start after adds nothing."""
+    train_on(validation_dataset, tmp_path, 4, 2)  # checkpoints 2, 4 and 6; evaluations after steps 4 and 6
+    metrics = tmp_path / "eval" / "metrics.jsonl"
+    first = eval_lines(tmp_path / "eval")
+    assert [line["step"] for line in first] == [4, 6]
+    # What a kill in that window leaves on disk, for both evaluations (4's as an older run's would have).
+    metrics.write_text("".join(line for line in open(metrics) if "eval_loss" not in line))
+    trained = metrics.read_text()
+    train_on(validation_dataset, tmp_path, 4, 2)
+    assert metrics.read_text().startswith(trained)  # no step ran again
+    again = [json.loads(line) for line in metrics.read_text()[len(trained):].splitlines()]
+    assert [line["step"] for line in again] == [4, 6]
+    # The same weights and batches: the same losses.
+    assert [line["eval_loss"] for line in again] == [line["eval_loss"] for line in first]
+    done = metrics.read_text()
+    train_on(validation_dataset, tmp_path, 4, 2)
+    assert metrics.read_text() == done

@@ -1,7 +1,7 @@
 """Losing a process of a multi-process run (multihost.py's watchdog, tools/launch_local.py): whichever
 process dies, the others exit 1 within the heartbeat timeout with one line naming it, and the
 launcher names the dead one; a process that never joins is named too; SIGTERM before the training
-loop ends a run with one line (train.py). Real processes on 127.0.0.1."""
+loop ends a run with one line (train.py), and so does a Ctrl-C. Real processes on 127.0.0.1."""
 
 import os
 import signal
@@ -123,7 +123,9 @@ def free_port_pair() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["importing", "compiling"])
-def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_before_the_loop_exits_with_one_line(tmp_path, dataset, when, signum):
+    """SIGTERM, or a Ctrl-C (SIGINT; was: a KeyboardInterrupt traceback)."""
     env = {**environment(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     proc = subprocess.Popen([sys.executable, "-m", "train", "--config-name=local_test_synthetic",
                              "+paths.model_name=early", f"paths.root_working_dir={tmp_path}",
@@ -134,11 +136,12 @@ def test_sigterm_before_the_loop_exits_with_one_line(tmp_path, dataset, when):
     else:  # config.yaml is written just before the step is compiled
         while not os.path.exists(tmp_path / "early" / "config.yaml") and proc.poll() is None:
             time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    assert proc.returncode == 128 + signum, err[-3000:]
+    name = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}[signum]
     assert err.strip().splitlines() == [
-        "seqax: error: stopped by SIGTERM before the training loop, with no step to save; "
+        f"seqax: error: stopped by {name} before the training loop, with no step to save; "
         "a restart resumes from the newest checkpoint"], err[-3000:]
     assert "step " not in out
 

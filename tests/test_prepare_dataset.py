@@ -3,12 +3,14 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import train
-from fixtures import decoded
+from fixtures import ROOT, child_env, decoded
 from seqax.config import ConfigError, DatasetError, load_config
 from seqax.flat_tokens import FlatTokensWriter, open_flat_tokens
 from tools import prepare_dataset
@@ -173,6 +175,37 @@ def test_tokenizer_with_ids_beyond_2_31_is_one_error(tmp_path, capsys):
     args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--tokenizer",
                                                      str(tmp_path / "big.json")]
     assert "has token id 2147483647" in run_error(args, capsys)
+
+
+@pytest.mark.slow  # two tokenizer processes start (about 3 s)
+def test_a_binary_jsonl_input_is_one_line_through_the_worker_processes(tmp_path):
+    """`python -m tools.prepare_dataset` with a .jsonl of bytes that are not UTF-8 and two workers (the
+    file is read in the pool's feeder thread): one line naming the file, line and byte, exit 2 (was: a
+    UnicodeDecodeError traceback through multiprocessing); no dataset written."""
+    (tmp_path / "good.jsonl").write_text(json.dumps({"text": "fine"}) + "\n")
+    (tmp_path / "binary.jsonl").write_bytes(json.dumps({"text": "ok"}).encode() + b"\n" + bytes(range(128, 256)))
+    result = subprocess.run([sys.executable, "-m", "tools.prepare_dataset", str(tmp_path / "good.jsonl"),
+                             str(tmp_path / "binary.jsonl"), "--output", str(tmp_path / "out.zarr"), "--workers", "2",
+                             "--quiet"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"prepare_dataset: error: {tmp_path / 'binary.jsonl'}:2 is not UTF-8 text (its byte 1 is 0x80); a jsonl "
+        "input must be UTF-8 JSON lines: convert it (iconv -t UTF-8) or leave it out (--exclude)"], result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["binary.jsonl", "good.jsonl"]
+
+
+def test_inputs_and_tokenizers_that_cannot_be_read_are_one_line(tmp_path, capsys):
+    """A parquet file that is not parquet; a tokenizer.json that is not UTF-8, or a directory."""
+    (tmp_path / "fake.parquet").write_bytes(b"PAR1 but not really")
+    message = run_error([str(tmp_path / "fake.parquet"), "--output", str(tmp_path / "out.zarr")], capsys)
+    assert f"{tmp_path / 'fake.parquet'} is not a readable parquet file: " in message, message
+    args = write_inputs(tmp_path / "in", "jsonl") + ["--output", str(tmp_path / "out.zarr"), "--tokenizer"]
+    (tmp_path / "latin1.json").write_bytes(b'{"model": "caf\xe9"}')
+    message = run_error(args + [str(tmp_path / "latin1.json")], capsys)
+    assert message.endswith("is not UTF-8 text (its byte 14 from the start is 0xe9); a tokenizer.json is UTF-8 JSON")
+    message = run_error(args + [str(tmp_path / "in")], capsys)
+    assert message.startswith(f"prepare_dataset: error: cannot read tokenizer file {str(tmp_path / 'in')!r}: "
+                              "Is a directory"), message
+    assert not os.path.exists(tmp_path / "out.zarr")
 
 
 def test_vocab_smaller_than_the_data_stops_training(tmp_path):

@@ -190,3 +190,32 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     [kernel] = roofline.kernels(parse_module(text), RATES)
     assert kernel.stack == [("/repo/train.py", "forward", 10), ("/repo/train.py", "training_step", 20)]
     assert kernel.op_name == "jit(f)/neg"
+
+
+def test_a_loop_the_compiler_left_uncounted_is_counted_from_its_condition():
+    """The TPU compiler writes no trip count: `counter < 6`, the counter starting at 0, runs 6 times."""
+    text = IN_PLACE_LOOP.replace(', backend_config={"known_trip_count":{"n":"4"}}', "").replace(
+        """  ROOT %true = pred[] constant(true)""", """  %counter = s32[] get-tuple-element(%arg), index=0
+  %six = s32[] constant(6)
+  ROOT %lt = pred[] compare(%counter, %six), direction=LT""").replace(
+        """  %state = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  ROOT %while.1""", """  %state = (s32[], f32[4,256]{1,0}, f32[256]{0}) parameter(0)
+  %zero = s32[] constant(0)
+  %buffer = f32[4,256]{1,0} get-tuple-element(%state), index=1
+  %x = f32[256]{0} get-tuple-element(%state), index=2
+  %start = (s32[], f32[4,256]{1,0}, f32[256]{0}) tuple(%zero, %buffer, %x)
+  ROOT %while.1""").replace("while(%state)", "while(%start)")
+    [kernel] = step(text).kernels
+    assert kernel.runs == 6
+
+
+def test_a_matmul_the_tpu_compiler_wrote_as_a_convolution_counts_the_einsum_it_came_from():
+    """'abc,cd->abd' over [8, 64, 128] x [128, 32]: 2 x 8 x 64 x 32 x 128 FLOPs, whatever windows the
+    convolution uses to express it."""
+    text = module(entry="""ENTRY %main (a: bf16[8,64,128], b: bf16[128,32]) -> f32[8,64,32] {
+  %a = bf16[8,64,128]{2,1,0} parameter(0)
+  %b = bf16[128,32]{1,0} parameter(1)
+  ROOT %convolution.1 = f32[8,64,32]{2,1,0} convolution(%a, %b), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf_io->0bf, metadata={op_name="jit(f)/abc,cd->abd/dot_general"}
+}""")
+    [kernel] = step(text).kernels
+    assert kernel.kind == "matmul" and kernel.flops == 2 * 8 * 64 * 32 * 128

@@ -4,6 +4,7 @@ one line and nothing on disk changed."""
 
 import dataclasses
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf
 
 import sample
 import train
-from fixtures import snapshot
+from fixtures import ROOT, child_env, mounted, snapshot
 from seqax.checkpoint import Checkpointer
 from seqax.config import ConfigError, load_config
 from seqax.flat_tokens import write_flat_tokens
@@ -50,6 +51,24 @@ def one_error_line(capsys, call) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # tools/export_hf.py
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["read_only", "full", "proc"])
+def test_export_to_an_output_it_cannot_write_is_one_line(run_dir, tmp_path, where):
+    """`python -m tools.export_hf` onto a read-only disk, a disk too small for the weights (64 KiB), or
+    under /proc: one line naming the output, exit 2, nothing left behind."""
+    disk = tmp_path / "disk"
+    with mounted(disk, {"read_only": "ro", "full": "size=64k", "proc": "size=64k"}[where]):
+        output = "/proc/seqax_export" if where == "proc" else str(disk / "hf")
+        result = subprocess.run([sys.executable, "-m", "tools.export_hf", "--run-dir", run_dir, "--output", output],
+                                cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 2, result.stderr[-3000:]
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("seqax: error: "), result.stderr[-3000:]
+        cause = {"read_only": "Read-only file system", "full": "No space left on device", "proc": "No such file"}[where]
+        assert f"--output {output!r}" in lines[0] and cause in lines[0], lines
+        assert os.listdir(disk) == [] and not os.path.exists(output)
 
 
 @pytest.mark.slow
@@ -146,6 +165,16 @@ def test_sample_with_a_dataset_that_does_not_exist_is_one_line(run_dir, capsys):
     line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--dataset", "/nonexistent/data.zarr"]))
     assert line == ("seqax: error: dataset '/nonexistent/data.zarr' (for its tokenizer) does not exist; "
                     "pass --dataset PATH of the run's flat-tokens dataset")
+
+
+@pytest.mark.parametrize("text", [b"model: [unclosed\n", b"\xff\xfe not utf-8\n"], ids=["not_yaml", "not_utf8"])
+def test_a_run_directory_whose_config_cannot_be_read_is_one_line(tmp_path, capsys, text):
+    (tmp_path / "config.yaml").write_bytes(text)
+    for tool in (lambda: sample.main(["--run-dir", str(tmp_path), "--prompt", "x"]),
+                 lambda: export_hf.main(["--run-dir", str(tmp_path), "--output", str(tmp_path / "hf")])):
+        line = one_error_line(capsys, tool)
+        assert line.startswith(f"seqax: error: cannot read {tmp_path / 'config.yaml'}: ") and line.endswith(
+            "; --run-dir must be a seqax run directory"), line
 
 
 @pytest.mark.slow

@@ -4,11 +4,13 @@ with one clear line before any compilation, leaving the disk as it was."""
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
 import train
-from fixtures import make_mesh, run_overrides, run_train, synthetic_dataset, tiny_overrides, train_args
+from fixtures import child_env, make_mesh, run_overrides, run_train, synthetic_dataset, tiny_overrides, train_args
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointError, SeqaxError, load_config
 
@@ -98,6 +100,40 @@ def test_bad_config_on_the_command_line_is_one_line_on_stderr(small_dataset, tmp
     assert re.search(r"training.tokens.batch=62 is not divisible by mesh.d=4", lines[0]), lines[0]
     assert "step" not in result.stdout  # no step ran
     assert_untouched(run_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,line", [
+    (["training.stepz=5"], r"config local_test_synthetic has no key training\.stepz; did you mean training\.steps\?"),
+    (["+training.stepz=5"], r"unknown config key training\.stepz; did you mean training\.steps\? \(known keys here: "),
+    (["trainin.steps=5"], r"config local_test_synthetic has no key trainin; did you mean training\?"),
+    (["--config-name=local_test_synthetc"],
+     r"there is no config 'local_test_synthetc' in \S+configs; did you mean local_test_synthetic\? \(the configs: "),
+    (["--config-name="], r"there is no config '' in \S+configs \(the configs: .*local_test_synthetic"),
+    (["training.steps=["], r"cannot read the override 'training.steps=\[': .*; write overrides as key=value"),
+    (["--config-path=configs", "training.stepz=5"],  # relative to the repository root, as when train.py ran hydra
+     r"config local_test_synthetic has no key training\.stepz; did you mean training\.steps\?"),
+], ids=["override", "addition", "section", "config_name", "empty_config_name", "grammar", "relative_config_path"])
+def test_hydras_errors_are_one_line_naming_the_nearest_key(tmp_path, args, line):
+    """Hydra's own report of these is several lines and exit status 1; the run directory is not made."""
+    flags = [a for a in args if a.startswith("-")]  # hydra's parser takes its flags before the overrides
+    command = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", *flags, "+paths.model_name=run",
+               f"paths.root_working_dir={tmp_path}", *[a for a in args if a not in flags]]
+    result = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(rf"seqax: error: {line}.*", lines[0]), result.stderr
+    assert not result.stdout and not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_no_config_name_is_one_line_naming_the_configs(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "train", "+paths.model_name=run"], cwd=tmp_path, env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "seqax: error: no config given: add --config-name=NAME, one of "
+        + ", ".join(sorted(n[:-5] for n in os.listdir(os.path.join(os.path.dirname(train.__file__), "configs"))
+                           if n.endswith(".yaml")))], result.stderr
 
 
 @pytest.mark.parametrize("written_with", [{}, {k: v for k, v in train.MUON.items() if k != "w_q"}],

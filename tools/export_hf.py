@@ -194,6 +194,7 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     if os.path.lexists(output) and not overwrite:
         raise ConfigError(f"--output {output!r} exists; pass --overwrite to replace it, or choose another --output")
     try:
+        from safetensors import SafetensorError
         from safetensors.numpy import save_file
     except ImportError:
         raise ConfigError("the export writes safetensors, which is not installed: "
@@ -211,7 +212,11 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     data_vocab = attrs.get("vocab_size") or group_attrs.get("max_token_id", run.model.vocab - 1) + 1
     eos, pad = attrs.get("eos_id"), pad_id(data_vocab, run.model.vocab, attrs.get("eos_id"))
     tmp = f"{output.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
-    os.makedirs(tmp)
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise ConfigError(f"cannot write --output {output!r}: {e.strerror or e} ({e.filename or tmp}); "
+                          "choose a writable place for --output") from None
     try:
         save_file(hf_tensors(weights, run.model), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), eos, pad))
@@ -234,6 +239,11 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
                 config["pad_token"] = PAD_TOKEN if pad == data_vocab else attrs.get("eos_token")
             write_json(os.path.join(tmp, "tokenizer_config.json"), config)
         replace(tmp, output)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota (safetensors' I/O errors are its own kind)
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = e.strerror or e if isinstance(e, OSError) else str(e).removeprefix("Error while serializing: ")
+        raise ConfigError(f"writing --output {output!r} failed: {cause} (in {tmp}); free space or choose another "
+                          "--output; nothing of this export was kept") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

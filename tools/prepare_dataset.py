@@ -85,9 +85,23 @@ def paragraphs(text: str) -> Iterator[str]:
 
 
 def file_documents(path: str, txt_documents: str, text_field: str) -> Iterator[str]:
+    """The documents of one input file; a file that cannot be read (or decoded) stops with one line naming it."""
+    try:
+        yield from _file_documents(path, txt_documents, text_field)
+    except OSError as e:
+        raise DatasetError(f"cannot read input {path}: {e.strerror or e}") from None
+
+
+def _file_documents(path: str, txt_documents: str, text_field: str) -> Iterator[str]:
     if path.endswith((".jsonl", ".json")):
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{path}:{number} is not UTF-8 text (its byte {e.start + 1} is "
+                                       f"0x{raw[e.start]:02x}); a {path.rsplit('.', 1)[1]} input must be UTF-8 JSON "
+                                       "lines: convert it (iconv -t UTF-8) or leave it out (--exclude)") from None
                 if line.strip():
                     try:
                         record = json.loads(line)
@@ -103,12 +117,15 @@ def file_documents(path: str, txt_documents: str, text_field: str) -> Iterator[s
         except ImportError:
             raise DatasetError("reading .parquet needs `pyarrow`: "
                                ".venv/bin/pip install -r requirements-dev.txt") from None
-        table = pyarrow.parquet.ParquetFile(path)
-        if text_field not in table.schema_arrow.names:
-            raise DatasetError(f"{path} has no column {text_field!r} "
-                               f"(it has {table.schema_arrow.names}; choose one with --text-field)")
-        for batch in table.iter_batches(columns=[text_field]):
-            yield from (t for t in batch.column(0).to_pylist() if t is not None)
+        try:
+            table = pyarrow.parquet.ParquetFile(path)
+            if text_field not in table.schema_arrow.names:
+                raise DatasetError(f"{path} has no column {text_field!r} "
+                                   f"(it has {table.schema_arrow.names}; choose one with --text-field)")
+            for batch in table.iter_batches(columns=[text_field]):
+                yield from (t for t in batch.column(0).to_pylist() if t is not None)
+        except pyarrow.ArrowException as e:  # not parquet, or damaged
+            raise DatasetError(f"{path} is not a readable parquet file: {str(e).strip().splitlines()[0]}") from None
     else:
         with open(path, encoding="utf-8", errors="replace", newline="") as f:
             text = f.read()
