@@ -48,7 +48,7 @@ from seqax.evaluation import Evaluation
 from seqax.flat_tokens import open_flat_tokens
 from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from seqax.memory import check_step_fits
-from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program
+from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
 from seqax.records import RunRecords
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
 from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, take_unreduced
@@ -526,6 +526,7 @@ def train(cfg: Config, resolved_yaml: str):
         check_step_fits(step_fn, mesh)  # a step that cannot fit stops here, with one line
         report.communication_report(step_fn)
         records.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
+        wait_for_all_processes("first_step", cfg.distributed.initialization_timeout_seconds)  # process 0 wrote reports
         # An evaluation due at a committed checkpoint's step that a kill or a stop left undone runs now, once.
         due = [done for done in checkpointer.complete_steps() if is_due(cfg.eval_interval, done, cfg.training.steps)]
         for done in records.missing_evaluations(due) if evaluation else []:

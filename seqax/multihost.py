@@ -107,6 +107,22 @@ def initialize_distributed(distributed: DistributedConfig):
                        distributed.initialization_timeout_seconds)
 
 
+def wait_for_all_processes(name: str, timeout_s: int):
+    """Returns when every process of the run has called it with `name` (at once with one process).
+    Before the first step: process 0 writes the start-up reports while the others wait here,
+    since the first collective of a new group of devices gives up when a peer is 30 s late (gloo's
+    fixed deadline on CPUs), and compile times differ by that much on a busy machine. It uses
+    the coordination service's barrier, with `timeout_s`; JAX exposes its client only privately."""
+    if jax.process_count() == 1:
+        return
+    client = jax._src.distributed.global_state.client  # no public API for the barrier (JAX 0.10.2)
+    try:
+        client.wait_at_barrier(f"seqax_{name}", timeout_s * 1000)
+    except Exception as e:  # the runtime's errors are its own classes
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        watchdog.stop(jax.process_index(), f"the processes did not all reach {name} within {timeout_s} s: {first}")
+
+
 def console_name() -> str:
     """How this process signs its console lines: `seqax` on process 0, `seqax[process i]` elsewhere."""
     return signature(jax.process_index() if jax.distributed.is_initialized() else 0)
