@@ -41,6 +41,7 @@ from jax.experimental import topologies  # noqa: E402
 import train  # noqa: E402
 from seqax import memory, roofline  # noqa: E402
 from seqax.config import SeqaxError, load_config  # noqa: E402
+from seqax.console import first_line  # noqa: E402
 from seqax.multihost import make_mesh  # noqa: E402
 from seqax.shardlib.shardtypes import abstract_arrays  # noqa: E402
 from seqax.startup_report import compile_step  # noqa: E402
@@ -95,7 +96,7 @@ def target_devices(target: Target, devices: int):
         else:
             topology = topologies.get_topology_desc(name, "tpu", **options)
     except Exception as e:  # the plugin's own errors
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise CompilerError(f"the {package} compiler could not describe {devices} x {target.name} ({name}): "
                             f"{first}") from None
     return topology.devices
@@ -112,7 +113,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         try:
             compiled = compile_step(train.training_step, cfg, state, mesh)
         except Exception as e:  # the target compiler's failure (out of memory, unsupported op, ...)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             raise CompilerError(f"{target.name}'s compiler failed on {config}: {first[:500]}") from None
         compile_seconds = time.perf_counter() - started
         layer = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward)

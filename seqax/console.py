@@ -11,3 +11,10 @@ def signature(process_index: int = 0) -> str:
 
 def warn(message: str):
     print(f"seqax: warning: {message}", file=sys.stderr, flush=True)
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its class's name when it has none: how a one-line
+    message quotes a library's error (the rest is usually a traceback or a long payload)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -138,7 +138,7 @@ def backward(q, k, v, do, lse, delta, q_doc_start, k_doc_start, q_position, k_po
                       stat_whole, kv_block, kv_block, *int_specs, q_whole],
             out_specs=[kv_block, kv_block, q_whole],
             out_shape=[output(k, k.shape, grad_dtype), output(v, v.shape, grad_dtype), output(q, q.shape, F32)],
-            input_output_aliases={11: 2}, name="flash_backward", **_params(tiling),
+            input_output_aliases={11: 2}, name="flash_backward", **_params(tiling),  # dq starts as the zeros
         )(key_block_ranges(q_doc_start, q_position, k_position, bq, bk), q, do, lse, delta, k, v,
           q_position, q_doc_start, k_position, k_doc_start, zeros_varying_as(q, F32))
     return (dq * scale).astype(grad_dtype), dk, dv

@@ -14,7 +14,7 @@ import jax
 
 from seqax import watchdog
 from seqax.config import ConfigError, DistributedConfig, DistributedError, SeqaxError
-from seqax.console import signature
+from seqax.console import first_line, signature
 from seqax.signals import exit_on_signal
 
 
@@ -96,7 +96,7 @@ def initialize_distributed(distributed: DistributedConfig):
                                "distributed.process_id (or $JAX_COORDINATOR_ADDRESS and $JAX_PROCESS_ID), "
                                "or run under SLURM, Open MPI or a TPU pod (docs/multi-host.md)") from None
     except Exception as e:  # the runtime's errors (a timeout connecting) are its own classes
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         who = "this process" if settings["process_id"] is None else f"process {settings['process_id']}"
         raise DistributedError(f"{who} could not join the {settings['num_processes']} processes "
                                f"at {where} within {distributed.initialization_timeout_seconds} s: {first}") from None
@@ -119,7 +119,7 @@ def wait_for_all_processes(name: str, timeout_s: int):
     try:
         client.wait_at_barrier(f"seqax_{name}", timeout_s * 1000)
     except Exception as e:  # the runtime's errors are its own classes
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         watchdog.stop(jax.process_index(), f"the processes did not all reach {name} within {timeout_s} s: {first}")
 
 
@@ -138,7 +138,7 @@ def exit_if_peer_lost(error: Exception):
     lost = watchdog.lost_peer(wait=2.0)  # the watchdog sees the same closed connection within milliseconds
     if lost is not None:
         watchdog.stop_for_lost_peer(jax.process_index(), *lost)
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = first_line(error)
     watchdog.stop(jax.process_index(), f"{first}; with {jax.process_count()} processes this usually means that "
                                        "another process died (see its log)")
 

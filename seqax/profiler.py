@@ -8,7 +8,7 @@ import time
 
 import jax
 
-from seqax.console import warn
+from seqax.console import first_line, warn
 
 
 class ProfileWindow:
@@ -55,7 +55,7 @@ class ProfileWindow:
             return False
 
     def give_up(self, error: Exception):
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first = first_line(error)
         warn(f"could not write the profile of steps {self.steps[0]}-{self.steps[-1]} to {self.directory}: {first}; "
              "training goes on without it (the profile is optional)")
         self.steps = range(0)

@@ -14,6 +14,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict
+from seqax.console import first_line
 from seqax.multihost import make_mesh
 from seqax.shardlib.shardtypes import make_shardings
 from seqax.validation import mesh_misfit
@@ -39,7 +40,7 @@ def load_run_config(run_dir: str) -> RunConfig:
     try:
         cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise ConfigError(f"cannot read {path}: {first}; --run-dir must be a seqax run directory") from None
     try:
         dataset_path, seq_len = cfg["dataset"]["path"], cfg["training"]["tokens"]["len"]
