@@ -91,7 +91,8 @@ def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b
             v_all = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
             return dense_attention(q, k_all, v_all, mask), (k_all, v_all)
 
-        return train.transformer_layer(h, x, w_layer, rotation, attend_over_cache)
+        x, cache, _ = train.transformer_layer(h, x, w_layer, rotation, attend_over_cache)  # routing: training's
+        return x, cache
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))
     return train.output_logits(h, w, x[:, -1:])[:, 0], KVCache(k, v)

@@ -6,7 +6,7 @@ Dimension names, used the same way in every annotation and spec string:
     B  batch (sequences)             L  positions of queries       S  positions of keys (= L)
     M  d_model                       F  d_ff                       V  vocabulary
     Q  query heads per kv head       K  kv heads                   D  head dimension
-    R  RoPE frequencies (D / 2)
+    R  RoPE frequencies (D / 2)       E  experts                    H  an expert's d_ff
     layers  transformer blocks (weights stacked, run with lax.scan)
 Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent as
 MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff and
@@ -80,6 +80,12 @@ class Layer:
     w_gate: f32[b"M/d/c F/t"]
     w_up: f32[b"M/d/c F/t"]
     w_down: f32[b"F/t M/d/c"]
+    # The mixture of experts (model.experts = E > 0; with 0 these are empty and the model is dense).
+    router: f32[b"M E"]
+    expert_bias: f32[b"E"]  # added to the router's scores to pick experts, not to weigh them: load balance
+    expert_gate: f32[b"E M/d/c H/t"]
+    expert_up: f32[b"E M/d/c H/t"]
+    expert_down: f32[b"E H/t M/d/c"]
 
 
 @pytree_dataclass
@@ -103,6 +109,15 @@ class Metrics:
     loss: f32[b""]
     learning_rate: f32[b""]
     grad_norm: f32[b""]
+    expert_load: f32[b""]  # the busiest expert's rows over the mean, in the layer where that is largest (dense: 0)
+
+
+@pytree_dataclass
+class Routing:
+    """What one layer's router did with this device's tokens."""
+
+    load: f32[b"E"]  # rows (a token's choice of an expert) each expert got
+    balance_loss: f32[b""]  # this device's share of the sequence-wise balance loss (routed_experts)
 
 
 def init_weights(h: ModelConfig, key: jax.Array) -> Model:
@@ -110,6 +125,7 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
     with sharded outputs: each device draws only its shard, and the values do not depend on
     the mesh (threefry is partitionable)."""
     M, Q, K, D, F, V, n = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab, h.layers
+    E, H = h.experts, h.expert_d_ff
 
     # XLA:CPU only: `drawn_as` draws the same values with unsplit dimensions merged, which XLA:CPU
     # compiles several times faster (docs/performance.md, "Start-up").
@@ -127,6 +143,11 @@ def init_weights(h: ModelConfig, key: jax.Array) -> Model:
         w_gate=normal("w_gate", (n, M, F), M),
         w_up=normal("w_up", (n, M, F), M),
         w_down=normal("w_down", (n, F, M), F),
+        router=normal("router", (n, M, E), M),
+        expert_bias=jnp.zeros((n, E)),
+        expert_gate=normal("expert_gate", (n, E, M, H), M),
+        expert_up=normal("expert_up", (n, E, M, H), M),
+        expert_down=normal("expert_down", (n, E, H, M), H),
     )
     return Model(embed=normal("embed", (V, M), 1), layers=layers, final_norm=jnp.ones((M,)),
                  unembed=normal("unembed", (M, V), M))
@@ -191,12 +212,66 @@ def rope(x, sin, cos):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def routed_experts(h: ModelConfig, nx, w: Layer) -> tuple[jax.Array, Routing]:
+    """The mixture of experts on the normed stream nx [B/d, L/c, M] (MATMUL_DTYPE): its output [B/d, L/c, M]
+    (float32, partial sums over t) and the layer's Routing. Each token goes to the experts_per_token
+    (k) experts of highest score + expert_bias and returns the sum of their SwiGLUs, weighed by its
+    gates: the sigmoids of its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3,
+    Liu et al. 2024: the bias balances the load by changing who is picked, never a gate's value).
+
+    Dropless, and the same on every mesh: every (token, choice) row is computed, wherever the token is.
+    The rows go in blocks of expert_block rows, each block of one expert (an expert's rows padded to
+    whole blocks), and each block is one matmul with its expert's weights: a batched matmul over
+    blocks, enough blocks for any load. The experts' weights are gathered FSDP-style over d and c, like
+    every weight; H splits over t (Megatron-style, as F): tokens never leave their device."""
+    B, L, M = nx.shape
+    E, k, b = h.experts, h.experts_per_token, h.expert_block
+    scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", nx.astype(jnp.float32), w.router))  # float32 [B, L, E]
+    _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, k)  # [B, L, k]; a tie goes to the lower index
+    gates = jnp.take_along_axis(scores, chosen, axis=-1)
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    # Dispatch: row r = (token r // k, its choice r % k) goes to `slot`, in its expert's blocks.
+    expert = chosen.reshape(-1)
+    one_hot = expert[:, None] == jnp.arange(E)  # [B L k, E]
+    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
+    load = jnp.sum(one_hot, axis=0, dtype=jnp.int32)  # rows of each expert
+    blocks = -(-load // b)
+    blocks_end = jnp.cumsum(blocks)
+    slot = (blocks_end - blocks)[expert] * b + rank  # distinct for every row
+    n = (expert.size + E * (b - 1)) // b  # at least the sum of ceil(load / b), whatever the load
+    # A block past the last expert's holds no row (zeros) and borrows the last expert's weights.
+    block_expert = jnp.minimum(jnp.sum(jnp.arange(n)[:, None] >= blocks_end, axis=1), E - 1)
+    token = jnp.full(n * b, B * L, jnp.int32).at[slot].set(jnp.arange(expert.size, dtype=jnp.int32) // k)
+    rows = jnp.concatenate([nx.reshape(B * L, M), jnp.zeros((1, M), nx.dtype)])[token].reshape(n, b, M)
+    gate_w = all_gather_cast("E M/d/c H/t -> E M H/t", w.expert_gate, MATMUL_DTYPE)[block_expert]
+    up_w = all_gather_cast("E M/d/c H/t -> E M H/t", w.expert_up, MATMUL_DTYPE)[block_expert]
+    gate = save_for_backward(einsum_unreduced("n R M, n M H/t -> n R H/t", rows, gate_w).astype(MATMUL_DTYPE))
+    up = save_for_backward(einsum_unreduced("n R M, n M H/t -> n R H/t", rows, up_w).astype(MATMUL_DTYPE))
+    gate_f32 = gate.astype(jnp.float32)
+    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(MATMUL_DTYPE)
+    down_w = all_gather_cast("E H/t M/d/c -> E H/t M", w.expert_down, MATMUL_DTYPE)[block_expert]
+    out = einsum_unreduced("n R H/t, n H/t M -> n R M", hidden, down_w)  # partial sums over t
+    out = jnp.einsum("blkm,blk->blm", out.reshape(n * b, M)[slot].reshape(B, L, k, M), gates)  # combine
+    # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / k x the
+    # fraction of the row's choices that picked expert i (whole rows: a sum over c), P_i = expert i's mean
+    # score, normalized over experts. Linear in P: each device adds its positions' share. Mean over rows.
+    row_length = L * lax.axis_size("c")
+    picked = lax.psum(jnp.sum(one_hot.reshape(B, L * k, E), axis=1, dtype=jnp.float32), "c")  # [B, E]
+    f = picked * (jnp.float32(E) / (k * row_length))  # (no experts: an empty array)
+    P = jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1) / row_length
+    # The t devices of a group hold the same value: their mean is the value, invariant over t. (Were
+    # it added to the loss on each t device, autodiff would count it, and the cross-entropy, t times.)
+    balance_loss = lax.pmean(jnp.sum(lax.stop_gradient(f) * P), "t") / (B * lax.axis_size("d"))
+    return out, Routing(load.astype(jnp.float32), balance_loss)
+
+
 def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     """One block on the residual stream x [B/d, L/c, M/t] (float32): pre-RMSNorm grouped-query attention
     (Ainslie et al. 2023: Q query heads share each of the K kv heads) with RoPE (rotation: rope_rotation's
-    sin and cos), then pre-RMSNorm SwiGLU (Shazeer 2020). `attend(q, k, v) -> (o, extra)` is the attention
-    proper: training attends within documents (training_layer); sample.py attends over its KV cache and
-    returns the updated cache as `extra`. Returns (x after the block, extra)."""
+    sin and cos), then pre-RMSNorm SwiGLU (Shazeer 2020) plus the mixture of experts (routed_experts;
+    nothing when model.experts is 0). `attend(q, k, v) -> (o, extra)` is the attention proper: training
+    attends within documents (training_layer); sample.py attends over its KV cache and returns the
+    updated cache as `extra`. Returns (x after the block, extra, Routing)."""
     nx = all_gather("B/d L/c M/t -> B/d L/c M", x)  # the norm needs all of M
     nx = save_for_backward(rms_norm(nx, w.attn_norm, h.norm_eps).astype(MATMUL_DTYPE))
     # FSDP: gather this layer's weights over d and c, cast to MATMUL_DTYPE before they cross the
@@ -227,12 +302,14 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     # XLA:CPU only: w_down enters transposed, [M, F/t] (stored [F, M]), so that XLA:CPU's weight
     # gradient transposes the output gradient, not hidden (docs/performance.md, "w_down").
     out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
-    return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out), extra
+    experts_out, routing = routed_experts(h, nx, w)
+    return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out + experts_out), extra, routing
 
 
 @typechecked
 def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"],
-                   sin: f32[b"B/d L/c R"], cos: f32[b"B/d L/c R"], row_position: u32[b"L/c"]) -> f32[b"B/d L/c M/t"]:
+                   sin: f32[b"B/d L/c R"], cos: f32[b"B/d L/c R"],
+                   row_position: u32[b"L/c"]) -> tuple[f32[b"B/d L/c M/t"], Routing]:
     """transformer_layer as training runs it: causal attention within documents, by blocks, over
     the keys of every device of the c ring (row_position: where each token sits in the row), by the
     kernel model.attention_kernel names: "auto" is the fast one for the mesh's platform (Pallas on GPUs
@@ -242,7 +319,8 @@ def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: 
     def attend(q, k, v):
         return attention(q, k, v, doc_start, row_position, h.attention_block), None
 
-    return transformer_layer(h, x, w, (sin, cos), attend)[0]
+    x, _, routing = transformer_layer(h, x, w, (sin, cos), attend)
+    return x, routing
 
 
 def embed_tokens(w: Model, inputs):
@@ -260,9 +338,10 @@ def output_logits(h: ModelConfig, w: Model, x):
 
 
 @typechecked
-def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
-    """Next-token logits at every position of packed documents. The input of a document's
-    first position is token 0 (begin of document)."""
+def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
+            is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], Array[b"layers", Routing]]:
+    """Next-token logits at every position of packed documents, and each layer's Routing (stacked).
+    The input of a document's first position is token 0 (begin of document)."""
     length = inputs.shape[1] * lax.axis_size("c")
     check_attention_blocks(h, length, lax.axis_size("c"))
     # With c > 1 a token's document start and position depend on other devices' chunks: whole rows and back.
@@ -273,19 +352,22 @@ def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: boo
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
-        return training_layer(h, x, layer_weights, doc_start, sin, cos, row_position), None
+        return training_layer(h, x, layer_weights, doc_start, sin, cos, row_position)
 
-    x, _ = lax.scan(body, x, w.layers)
-    return output_logits(h, w, x)
+    x, routing = lax.scan(body, x, w.layers)
+    return output_logits(h, w, x), routing
 
 
 def model_flops_per_token(h: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (MFU's numerator), from the weights' shapes: 2 per multiply-add of every
-    matrix a token goes through (the layers' weights of 2 or more dimensions, the unembedding; the embedding
-    is a lookup), plus attention's QK^T and PV over the causal half of the L x L scores (PaLM, app. B);
-    x 3 for forward + backward. Norms, RoPE, softmax, the optimizer, recomputation: left out (MFU, not HFU)."""
+    matrix a token goes through (the layers' weights of 2 or more dimensions, of the experts only the
+    experts_per_token of `experts` a token goes to, the unembedding; the embedding is a lookup), plus
+    attention's QK^T and PV over the causal half of the L x L scores (PaLM, app. B); x 3 for forward +
+    backward. Norms, RoPE, softmax, routing, the optimizer, recomputation: left out (MFU, not HFU)."""
     w = jax.eval_shape(lambda: init_weights(h, jax.random.key(0)))
-    matrices = sum(x.size for x in jax.tree.leaves(w.layers) if x.ndim > 2) + w.unembed.size
+    experts = sum(x.size for x in (w.layers.expert_gate, w.layers.expert_up, w.layers.expert_down))
+    active = experts * h.experts_per_token // max(h.experts, 1)  # active parameters only
+    matrices = sum(x.size for x in jax.tree.leaves(w.layers) if x.ndim > 2) - experts + active + w.unembed.size
     layers, _, *heads = w.layers.w_q.shape  # heads: Q K D
     attention = layers * 2 * (2 * math.prod(heads) * seq_len) / 2  # QK^T and PV against every key, halved
     return 3.0 * (2 * matrices + attention)
@@ -293,9 +375,10 @@ def model_flops_per_token(h: ModelConfig, seq_len: int) -> float:
 
 @typechecked
 def token_losses(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
-                 is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c"]:
-    """The next-token cross-entropy of every target of packed documents: -log p(target). Each
-    document's first token is predicted from input token 0, so every token of it is a target."""
+                 is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
+    """The next-token cross-entropy of every target of packed documents: -log p(target), and each
+    layer's Routing. Each document's first token is predicted from input token 0, so every token of
+    it is a target."""
     # The inputs are the targets shifted right by one position: the model at position i sees token
     # i - 1 and predicts token i. At a document's first position the input is token 0 (begin of
     # document), not the previous document's last token. The shift is done on whole rows: with
@@ -303,19 +386,23 @@ def token_losses(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
     row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)
     shifted = jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))  # [B/d, L]: position i holds target i - 1
     inputs = this_devices_chunks(jnp.where(row_starts, 0, shifted))
-    logits = forward(h, w, inputs, is_seq_start)  # float32
+    logits, routing = forward(h, w, inputs, is_seq_start)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t; take_unreduced picks the target's logit on the device holding it.
     max_logit = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
     sum_exp = psum("B/d L/c", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
     target_logit = psum("B/d L/c", take_unreduced("B/d L/c V/t, B/d L/c -> B/d L/c", logits, targets), "t")
-    return max_logit + jnp.log(sum_exp) - target_logit
+    return max_logit + jnp.log(sum_exp) - target_logit, routing
 
 
-def model_loss(h: ModelConfig, w: Model, targets, is_seq_start, loss_mask):
-    """This device's share of the mean token_losses over the global batch's real tokens (not padding: loss_mask)."""
+def model_loss(h: ModelConfig, balance_weight: float, w: Model, targets, is_seq_start, loss_mask):
+    """This device's share of what training minimizes: the mean token_losses over the global batch's real
+    tokens (not padding: loss_mask), plus balance_weight x the layers' balance losses. Also returns the
+    cross-entropy share alone and the experts' loads [layers, E] (aux)."""
     global_tokens = lax.psum(jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c"))
-    return jnp.sum(jnp.where(loss_mask, token_losses(h, w, targets, is_seq_start), 0.0)) / jnp.maximum(global_tokens, 1)
+    losses, routing = token_losses(h, w, targets, is_seq_start)
+    loss = jnp.sum(jnp.where(loss_mask, losses, 0.0)) / jnp.maximum(global_tokens, 1)
+    return loss + balance_weight * jnp.sum(routing.balance_loss), (loss, routing.load)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,16 +410,19 @@ def model_loss(h: ModelConfig, w: Model, targets, is_seq_start, loss_mask):
 # names, AdamW (Loshchilov & Hutter 2019; Kingma & Ba 2015's bias correction) for all others
 # (`MUON = {}`: AdamW alone). Both take the gradient clipped to a global norm, decay weights
 # decoupled and follow one schedule. Each entry: the spec that spreads the stacked layers over all
-# devices, each then holding whole matrices (its inverse brings them back), and how many dimensions
-# after `layers` are the rows.
+# devices, each then holding whole matrices (its inverse brings them back), and how many of the last
+# dimensions are the matrix's rows and its columns (those before are a stack of matrices: an expert each).
 MUON = {
-    "w_q": ("layers M/d/c Q K/t D -> layers/d/c/t M Q K D", 1),  # [M, Q K D]
-    "w_k": ("layers M/d/c K/t D -> layers/d/c/t M K D", 1),
-    "w_v": ("layers M/d/c K/t D -> layers/d/c/t M K D", 1),
-    "w_o": ("layers Q K/t D M/d/c -> layers/d/c/t Q K D M", 3),  # [Q K D, M]
-    "w_gate": ("layers M/d/c F/t -> layers/d/c/t M F", 1),
-    "w_up": ("layers M/d/c F/t -> layers/d/c/t M F", 1),
-    "w_down": ("layers F/t M/d/c -> layers/d/c/t F M", 1),
+    "w_q": ("layers M/d/c Q K/t D -> layers/d/c/t M Q K D", (1, 3)),  # [M, Q K D]
+    "w_k": ("layers M/d/c K/t D -> layers/d/c/t M K D", (1, 2)),
+    "w_v": ("layers M/d/c K/t D -> layers/d/c/t M K D", (1, 2)),
+    "w_o": ("layers Q K/t D M/d/c -> layers/d/c/t Q K D M", (3, 1)),  # [Q K D, M]
+    "w_gate": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
+    "w_up": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
+    "w_down": ("layers F/t M/d/c -> layers/d/c/t F M", (1, 1)),
+    "expert_gate": ("layers E M/d/c H/t -> layers/d/c/t E M H", (1, 1)),  # E matrices [M, H] a layer
+    "expert_up": ("layers E M/d/c H/t -> layers/d/c/t E M H", (1, 1)),
+    "expert_down": ("layers E H/t M/d/c -> layers/d/c/t E H M", (1, 1)),
 }
 NEWTON_SCHULZ_STEPS = 5
 
@@ -373,9 +463,10 @@ def newton_schulz(G):
     return X
 
 
-def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, rows: int):
+def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, matrix: tuple[int, int]):
     """One Muon step of a stacked layer weight w [layers, ...]: Nesterov momentum, then each layer's
-    matrix orthogonalized by the device that holds it whole, scaled by sqrt(max(1, fan_out / fan_in))
+    matrices (`matrix`: how many of the last dimensions are rows and columns) orthogonalized by the
+    device that holds them whole, scaled by sqrt(max(1, fan_out / fan_in))
     (modded-nanogpt's max(1, rows / cols) of torch's [out, in] layout); decoupled weight decay."""
     beta, layers = training.muon_momentum, w.shape[0]
     momentum = beta * momentum + (1 - beta) * g
@@ -383,8 +474,9 @@ def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, rows:
     devices = lax.axis_size(("d", "c", "t"))
     padded = jnp.pad(g.astype(MATMUL_DTYPE), [(0, -layers % devices)] + [(0, 0)] * (g.ndim - 1))
     whole = all_to_all(spread, padded)  # [layers / devices, ...]: this device's matrices, whole
-    fan_in, fan_out = math.prod(whole.shape[1 : 1 + rows]), math.prod(whole.shape[1 + rows :])
-    matrices = whole.reshape(whole.shape[0], fan_in, fan_out)
+    rows, cols = matrix
+    fan_in, fan_out = math.prod(whole.shape[-rows - cols : -cols]), math.prod(whole.shape[-cols:])
+    matrices = whole.reshape(math.prod(whole.shape[: -rows - cols]), fan_in, fan_out)
 
     def wide(x):  # newton_schulz takes rows <= cols: a tall matrix goes as its transpose
         # XLA:CPU only: the barrier materializes the transpose, which XLA:CPU would otherwise fold
@@ -397,7 +489,7 @@ def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, rows:
     first = lax.axis_index(("d", "c", "t")) * whole.shape[0]  # a device that holds padding only skips the work
     update = wide(lax.cond(first < layers, newton_schulz, skip, wide(matrices)).astype(MATMUL_DTYPE))
     update = all_to_all(inverse(spread), update.reshape(whole.shape))  # back to the weight's sharding
-    scale = math.sqrt(max(1.0, fan_out / fan_in))
+    scale = math.sqrt(max(1.0, fan_out / max(fan_in, 1)))  # (fan_in 0: the empty experts of a dense model)
     w = w - lr * (scale * update[:layers].astype(jnp.float32) + training.muon_weight_decay * w)
     return w, momentum
 
@@ -407,9 +499,11 @@ def newton_schulz_flops(h: ModelConfig, devices: int) -> tuple[float, float]:
     layers spread as muon_update spreads them): per matrix, wide as r x c, each step multiplies
     X X^T (2 r^2 c), A A (2 r^3) and B X (2 r^2 c)."""
     w = jax.eval_shape(lambda: init_weights(h, jax.random.key(0))).layers
-    shapes = [(getattr(w, name).shape[1:], rows) for name, (_, rows) in MUON.items()]
-    sides = [sorted((math.prod(shape[:rows]), math.prod(shape[rows:]))) for shape, rows in shapes]
-    per_layer = NEWTON_SCHULZ_STEPS * sum(4 * r * r * c + 2 * r**3 for r, c in sides)
+    per_layer = 0
+    for name, (_, (rows, cols)) in MUON.items():
+        shape = getattr(w, name).shape[1:]
+        r, c = sorted((math.prod(shape[-rows - cols : -cols]), math.prod(shape[-cols:])))
+        per_layer += NEWTON_SCHULZ_STEPS * math.prod(shape[: -rows - cols]) * (4 * r * r * c + 2 * r**3)
     return h.layers * per_layer, -(-h.layers // devices) * per_layer
 
 
@@ -422,16 +516,34 @@ class Update(typing.NamedTuple):
     nu: jax.Array | None
 
 
-def optimizer_step(training: TrainingConfig, step, state: State, grads: Model, grad_norm) -> tuple[State, jax.Array]:
+def optimizer_of(path) -> str:
+    """Which rule updates a weight: "muon" (those MUON names), "balance" (the experts' selection bias,
+    which no gradient reaches: it follows their load) or "adamw" (all others)."""
+    name = path[-1].name
+    return "muon" if name in MUON else "balance" if name == "expert_bias" else "adamw"
+
+
+def balance_update(training: TrainingConfig, bias, load):
+    """DeepSeek-V3's auxiliary-loss-free load balance: each expert's bias [layers, E] moves by
+    expert_bias_rate towards the mean load of its layer (up if it got fewer rows, down if more)."""
+    return bias + training.expert_bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+
+
+def optimizer_step(training: TrainingConfig, step, state: State, grads: Model, grad_norm,
+                   load) -> tuple[State, jax.Array]:
     """Muon on the weights MUON names, AdamW on the rest, from the gradients clipped to the global
-    norm `grad_norm`. Returns the new state and AdamW's learning rate."""
+    norm `grad_norm`; the experts' bias by their load [layers, E] of this step's batch. Returns the
+    new state and AdamW's learning rate."""
     fraction = schedule(training, step)
     muon_lr, adamw_lr = training.muon_learning_rate * fraction, training.learning_rate * fraction
     clip = jnp.minimum(1.0, training.grad_clip / jnp.maximum(grad_norm, 1e-30))
 
     def update(path, w, g, momentum, mu, nu) -> Update:  # the state holds momentum or moments, None for the other
-        if path[-1].name in MUON:
+        rule = optimizer_of(path)
+        if rule == "muon":
             w, momentum = muon_update(training, muon_lr, w, g * clip, momentum, *MUON[path[-1].name])
+        elif rule == "balance":
+            w = balance_update(training, w, load)
         else:
             w, mu, nu = adamw_update(training, step, adamw_lr, w, g * clip, mu, nu)
         return Update(w, momentum, mu, nu)
@@ -454,15 +566,18 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
     @typed_shard_map
     def step_on_device(state: State, step: u32[b""], targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
                        loss_mask: bool_[b"B/d L/c"]) -> tuple[State, Metrics]:
-        loss_and_grad = jax.value_and_grad(partial(model_loss, cfg.model))
-        loss, grads = loss_and_grad(state.weights, targets, is_seq_start, loss_mask)
+        loss_and_grad = jax.value_and_grad(partial(model_loss, cfg.model, cfg.training.expert_balance_loss),
+                                           has_aux=True)
+        (_, (loss, load)), grads = loss_and_grad(state.weights, targets, is_seq_start, loss_mask)
         # Each device differentiates its own share of the loss (its rows and positions): the sum over
         # devices of the gradients happens in the weights' gathers, whose transpose is a reduce-scatter.
-        # Only the reported loss needs the total, so it is summed here, outside autodiff.
-        loss = lax.psum(loss, ("d", "c"))
+        # Only the reported loss and the experts' load need the total, so they are summed here, outside autodiff.
+        # (The t devices of a group route the same tokens: their load is counted once.)
+        loss, load = lax.psum(loss, ("d", "c")), lax.psum(load, ("d", "c", "t")) / lax.axis_size("t")
         grad_norm = global_norm(grads, Model)  # each gradient is sharded as its weight
-        state, lr = optimizer_step(cfg.training, step, state, grads, grad_norm)
-        return state, Metrics(loss, lr, grad_norm)
+        state, lr = optimizer_step(cfg.training, step, state, grads, grad_norm, load)
+        busiest = jnp.max(load / jnp.mean(load, axis=-1, keepdims=True), initial=0.0)
+        return state, Metrics(loss, lr, grad_norm, busiest)
 
     return step_on_device(state, step, targets, is_seq_start, loss_mask)
 
@@ -470,16 +585,20 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
 @partial(jax.jit, static_argnames=("cfg",))
 def eval_step(weights: Model, targets, is_seq_start, cfg: Config) -> jax.Array:
     """token_losses of one batch [B, L], laid out as the batch: what eval_loss and the tasks read (evaluation.py)."""
-    return typed_shard_map(partial(token_losses, cfg.model))(weights, targets, is_seq_start)
+    @typed_shard_map
+    def on_device(weights: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c"]:
+        return token_losses(cfg.model, weights, targets, is_seq_start)[0]
+
+    return on_device(weights, targets, is_seq_start)
 
 
 def fresh_state(weights: Model) -> State:
-    """`weights`, with Muon's momentum of the weights MUON names and AdamW's moments of the others at zero."""
-    def zeros(for_muon: bool):  # a Masked[Model]: zeros at the weights of one optimizer, None at the other's
+    """`weights`, with Muon's momentum of the weights MUON names and AdamW's moments of AdamW's at zero."""
+    def zeros(rule: str):  # a Masked[Model]: zeros at the weights `rule` updates, None at the others
         return jax.tree_util.tree_map_with_path(
-            lambda path, w: jnp.zeros_like(w) if (path[-1].name in MUON) == for_muon else None, weights)
+            lambda path, w: jnp.zeros_like(w) if optimizer_of(path) == rule else None, weights)
 
-    return State(weights, zeros(True), zeros(False), zeros(False))
+    return State(weights, zeros("muon"), zeros("adamw"), zeros("adamw"))
 
 
 def init_state(cfg: Config, mesh) -> State:

@@ -182,7 +182,8 @@ class Checkpointer:
 
     def _copy_to_host(self, tree) -> list[_HostLeaf]:
         leaves = jax.tree.leaves(tree)
-        owned = [[s for s in x.addressable_shards if s.replica_id == 0] for x in leaves]
+        # An empty array (the experts of a dense model) has no chunk: its zarr.json holds its shape.
+        owned = [[s for s in x.addressable_shards if s.replica_id == 0 and x.size] for x in leaves]
         for shards in owned:
             for s in shards:
                 s.data.copy_to_host_async()

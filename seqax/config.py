@@ -72,6 +72,13 @@ class ModelConfig:
     # which kernel computes attention (the same math, up to rounding): "auto" (Pallas on GPUs and TPUs,
     # blockwise on CPUs), "pallas", "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
     attention_kernel: str = "auto"
+    # A mixture of experts beside the dense SwiGLU of d_ff (README, "Mixture of experts"): each token goes
+    # through the experts_per_token of `experts` SwiGLU experts of expert_d_ff that its router picks. 0
+    # experts (the default) is the dense model; d_ff: 0 leaves the experts alone, d_ff > 0 is a shared expert.
+    experts: int = 0  # E
+    experts_per_token: int = 0  # top-k; at least 1 and at most `experts` when there are experts
+    expert_d_ff: int = 0  # H
+    expert_block: int = 64  # rows per block of the experts' grouped matmul (speed and memory, not the math)
 
 
 ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.training_attention's
@@ -79,7 +86,7 @@ ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.tr
 # The model's dimensions (train.py's legend) and the keys of the `model:` section that size them:
 # validation.py and memory.py read a dimension's size through this table.
 MODEL_DIMENSIONS = {"M": "d_model", "Q": "n_q_per_kv", "K": "n_kv", "D": "d_head", "F": "d_ff", "V": "vocab",
-                    "layers": "layers"}
+                    "E": "experts", "H": "expert_d_ff", "layers": "layers"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,11 @@ class TrainingConfig:
     muon_learning_rate: float = 0.02  # peak
     muon_momentum: float = 0.95  # Nesterov
     muon_weight_decay: float = 0.0  # decoupled, as AdamW's: w -= muon_learning_rate * muon_weight_decay * w
+    # Load balance of the experts (model.experts > 0), DeepSeek-V3's (Liu et al. 2024, sec. 2.1.2): each
+    # expert's selection bias moves by this much a step, up when it got fewer tokens than the mean, down
+    # when more; and the weight of the sequence-wise balance loss (0 turns it off; DeepSeek-V3 used 1e-4).
+    expert_bias_rate: float = 0.001
+    expert_balance_loss: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

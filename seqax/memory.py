@@ -101,7 +101,7 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     attention has in flight, and the logits. `layer` is the layer as the step's scan runs it
     (train.training_layer with the model config bound): every argument's shape and sharding come
     from its annotation, the weights' from `state` (arrays or ShapeDtypeStructs); the logits' from
-    the return annotation of `forward` (train.forward)."""
+    the first of `forward`'s return annotations (train.forward: logits, routing)."""
     sizes = dimension_sizes(cfg)
     _, stacked = stacked_layers(state.weights)
 
@@ -122,7 +122,7 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
 
     specs = jax.tree.map(lambda a: a.sharding.spec, args)
     jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
-    logits = annotated(inspect.signature(forward).return_annotation, sizes, mesh)
+    logits = annotated(typing.get_args(inspect.signature(forward).return_annotation)[0], sizes, mesh)
     return LayerMemory(lines, jax.ShapeDtypeStruct(logits.sharding.shard_shape(logits.shape), logits.dtype), ring[0])
 
 
@@ -164,7 +164,8 @@ def residual_size(line: str) -> tuple[str, int]:
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
     """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
     save_for_backward (or save_in_forward_rule) and the layer's input (the scan keeps it per layer).
-    Its weights are left out: they are slices of the stacked weights, counted once."""
+    Its weights are left out: they are slices of the stacked weights, counted once; so are empty
+    values (the experts of a dense model)."""
     kept = []
     for line in residual_lines:
         if f"named '{SAVED_NAME}'" in line:
@@ -173,20 +174,21 @@ def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list
                          "save_for_backward" + (" (a bf16 value's bits)" if shape.startswith("u16") else "")))
         elif line.split(" from ")[-1] == f"the argument {input_name}":
             kept.append((*residual_size(line), "layer input"))
-    return kept
+    return [value for value in kept if value[1]]
 
 
 def muon_bytes(layer_weights, muon: dict) -> int:
     """Bytes per device of Muon's largest orthogonalization (train.muon_update, one weight at a
-    time): ceil(layers / devices) whole matrices of the weight, r x c wide, on each device, sent
+    time): ceil(layers / devices) layers' whole matrices of the weight (one per expert for the experts'),
+    r x c wide, on each device, sent
     and received in bf16 (2 + 2 bytes an element) with Newton-Schulz's temporaries (X in f32 and
     bf16, X^T, B X and the next X: 16 bytes an element; A = X X^T, A A and B in f32 and bf16: 16
-    bytes an element of the r x r Gram matrix). `muon` is train.MUON: weight -> (spec, rows)."""
+    bytes an element of the r x r Gram matrix). `muon` is train.MUON: weight -> (spec, (rows, cols))."""
     largest = 0
-    for name, (_, rows) in muon.items():
+    for name, (_, (rows, cols)) in muon.items():
         w = getattr(layer_weights, name)
-        per_device = -(-w.shape[0] // w.sharding.mesh.size)
-        r, c = sorted((math.prod(w.shape[1 : 1 + rows]), math.prod(w.shape[1 + rows :])))
+        per_device = -(-w.shape[0] // w.sharding.mesh.size) * math.prod(w.shape[1 : w.ndim - rows - cols])
+        r, c = sorted((math.prod(w.shape[-rows - cols : -cols]), math.prod(w.shape[-cols:])))
         largest = max(largest, per_device * (20 * r * c + 16 * r * r))
     return largest
 

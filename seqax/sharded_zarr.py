@@ -57,7 +57,7 @@ def overlapping(r: tuple, size: tuple) -> list[tuple]:
 def plan(sharding, shape: tuple) -> Layout:
     """The layout of an array sharded by `sharding`. Chunk c is written by the process of the
     first device holding it, the one JAX numbers replica 0."""
-    chunks = sharding.shard_shape(shape)
+    chunks = tuple(max(n, 1) for n in sharding.shard_shape(shape))  # an empty array (no chunk): zarr's least
     writer = {}
     for device, index in sharding.devices_indices_map(shape).items():
         writer.setdefault(tuple(a // n for (a, _), n in zip(region(index, shape), chunks)), device.process_index)

@@ -53,7 +53,7 @@ def make_mesh(d: int, t: int, c: int = 1) -> jax.sharding.Mesh:
 
 def reference_config(h: config.ModelConfig) -> dict:
     """The model settings tests/reference.py reads."""
-    return {k: getattr(h, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps")}
+    return {k: getattr(h, k) for k in ("n_kv", "n_q_per_kv", "d_head", "rope_base", "norm_eps", "experts_per_token")}
 
 
 def random_batch(seed: int, batch: int, length: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -85,7 +85,7 @@ def forward_logits(h: config.ModelConfig):
     @jax.jit
     @typed_shard_map
     def logits(w: train.Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
-        return train.forward(h, w, inputs, is_seq_start)
+        return train.forward(h, w, inputs, is_seq_start)[0]
 
     return logits
 

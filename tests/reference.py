@@ -32,7 +32,8 @@ def rotate(x, pos, base):
 
 
 def sequence_losses(w, cfg, tokens, starts):
-    """Next-token loss at every position of one row. tokens: [L] int, starts: [L] bool."""
+    """Next-token loss at every position of one row, and each layer's routing (expert_weights'
+    picked and scores). tokens: [L] int, starts: [L] bool."""
     L = tokens.shape[0]
     prev = jnp.concatenate([jnp.zeros((1,), tokens.dtype), tokens[:-1]])
     inputs = jnp.where(starts, 0, prev)
@@ -43,6 +44,7 @@ def sequence_losses(w, cfg, tokens, starts):
 
     x = w["embed"][inputs]
     K, Q, D = cfg["n_kv"], cfg["n_q_per_kv"], cfg["d_head"]
+    routing = []
     for layer in w["layers"]:
         h = norm(x, layer["attn_norm"], cfg["norm_eps"]).astype(bf16)
         M = h.shape[-1]
@@ -63,16 +65,53 @@ def sequence_losses(w, cfg, tokens, starts):
         g = mm(h, layer["w_gate"]).astype(bf16)
         u = mm(h, layer["w_up"]).astype(bf16)
         # in float32, rounded once, as train.py
-        x = x + mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["w_down"])
+        x = x + mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["w_down"]) + experts(layer, cfg, h)
+        routing.append(expert_weights(layer, cfg, h)[1:])
     h = norm(x, w["final_norm"], cfg["norm_eps"])
     logp = jax.nn.log_softmax(mm(h, w["unembed"]), axis=-1)
-    return -jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return -jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0], routing
+
+
+def expert_weights(layer, cfg, h):
+    """[L, E] weight of each expert at each position of a row: 0 unless it is one of the
+    experts_per_token of highest sigmoid(h @ router) + expert_bias; the chosen weigh their sigmoids
+    divided by the chosen's sum. h: the normed input [L, M]."""
+    scores = jax.nn.sigmoid(h.astype(f32) @ layer["router"])
+    _, chosen = jax.lax.top_k(scores + layer["expert_bias"], cfg["experts_per_token"])
+    picked = jnp.sum(jax.nn.one_hot(chosen, scores.shape[-1], dtype=f32), axis=1)  # [L, E]: 1 where chosen
+    return picked * scores / jnp.sum(picked * scores, axis=-1, keepdims=True), picked, scores
+
+
+def experts(layer, cfg, h):
+    """The mixture of experts' output [L, M]: every expert on every position, weighed (mostly by 0)."""
+    weights, _, _ = expert_weights(layer, cfg, h)
+    out = jnp.zeros(h.shape, f32)
+    for e in range(layer["router"].shape[-1]):
+        g = mm(h, layer["expert_gate"][e]).astype(bf16)
+        u = mm(h, layer["expert_up"][e]).astype(bf16)
+        out = out + weights[:, e : e + 1] * mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["expert_down"][e])
+    return out
 
 
 def loss(w, cfg, targets, is_seq_start, loss_mask):
     """Mean next-token cross-entropy over the tokens where loss_mask is True."""
-    per_token = jax.vmap(lambda tokens, starts: sequence_losses(w, cfg, tokens, starts))(targets, is_seq_start)
+    per_token = jax.vmap(lambda tokens, starts: sequence_losses(w, cfg, tokens, starts)[0])(targets, is_seq_start)
     return jnp.sum(per_token * loss_mask) / np.sum(loss_mask)
+
+
+def loads_and_balance(w, cfg, targets, is_seq_start):
+    """Per layer: how many positions of the batch chose each expert [E] (padding too), and the
+    sequence-wise balance loss (DeepSeek-V3, eq. 17-20): over rows, the mean of sum_i f_i P_i with
+    f_i = E / (k L) x the row's positions that chose expert i, P_i = the row's mean of expert i's
+    score divided by the sum of all experts' scores at that position."""
+    routing = jax.vmap(lambda tokens, starts: sequence_losses(w, cfg, tokens, starts)[1])(targets, is_seq_start)
+    result = []
+    for picked, scores in routing:  # [B, L, E] each
+        E, L, k = picked.shape[-1], picked.shape[1], cfg["experts_per_token"]
+        f = E / (k * L) * jnp.sum(picked, axis=1)
+        P = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1)
+        result.append((jnp.sum(picked, axis=(0, 1)), jnp.mean(jnp.sum(f * P, axis=-1))))
+    return result
 
 
 def weights_to_dicts(model, n_layers):

@@ -172,7 +172,7 @@ def test_forward_refuses_a_length_that_is_not_whole_blocks():
     cfg = tiny_config()
     weights = jax.eval_shape(lambda: train.init_weights(cfg.model, jax.random.key(0)))
     tokens = jax.ShapeDtypeStruct((2, 12), jnp.uint32)
-    forward = jax.shard_map(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool)),
+    forward = jax.shard_map(lambda w, t: train.forward(cfg.model, w, t, jnp.zeros(t.shape, bool))[0],
                             mesh=make_mesh(1, 1), in_specs=P(), out_specs=P())
     with pytest.raises(ConfigError, match=r"model.attention_block=8 must divide training.tokens.len=12"):
         jax.eval_shape(forward, weights, tokens)

@@ -140,7 +140,7 @@ def test_packed_choices_score_what_the_reference_scores_document_by_document(tmp
     assert len(task.batches) >= 2 and sum(len(p) for p in task.places) == 36  # several documents a row, two batches
     w = jax.tree.map(jax.numpy.asarray, weights_to_dicts(jax.device_get(weights), cfg.model.layers))
     ref_cfg = reference_config(cfg.model)
-    alone = jax.jit(lambda tokens, starts: sequence_losses(w, ref_cfg, tokens, starts))
+    alone = jax.jit(lambda tokens, starts: sequence_losses(w, ref_cfg, tokens, starts)[0])
     for (context, choices, _), loglik in zip(evaluation.read_examples(path), ours):
         for choice, got in zip(choices, loglik):
             document, first = evaluation.choice_documents(ByteTokenizer(), context, choice, "")

@@ -36,7 +36,7 @@ def log_steps(run_dir, start: int, losses: dict[int, float], steps: int = 6, flo
     log = RunRecords(str(run_dir), "x: 1\n", fake_config(steps), start, flops_per_token, profiled_steps=0)
     for step, loss in losses.items():
         log.before_step(step, None)
-        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5)))
+        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5), jnp.float32(0.0)))
     log.close()
 
 

@@ -51,7 +51,7 @@ def test_flops_formula_counts_the_matmuls_of_the_forward_pass():
 
     @typed_shard_map
     def logits(w: train.Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
-        return train.forward(m, w, inputs, is_seq_start)
+        return train.forward(m, w, inputs, is_seq_start)[0]
 
     @typed_shard_map
     def attend(q: f32[b"B/d L Q K/t D"], k: f32[b"B/d L K/t D"], v: f32[b"B/d L K/t D"],

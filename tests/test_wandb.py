@@ -37,7 +37,8 @@ def run_log(run_dir, start: int, losses: dict[int, float], evals: dict[int, floa
     log = RunRecords(str(run_dir), CONFIG_YAML, fake_config(8), start, flops_per_token=1e6, profiled_steps=0)
     for step, loss in losses.items():
         log.before_step(step, None)
-        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3 * (step + 1)), jnp.float32(0.5 + step)))
+        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3 * (step + 1)), jnp.float32(0.5 + step),
+                                         jnp.float32(0.0)))
         if step + 1 in evals:  # as evaluation.Evaluation returns them, with a task's accuracies
             log.eval(step + 1, lambda token_losses, step=step: {
                 "eval_loss": evals[step + 1], "lines/acc": 0.25 + 0.01 * step, "lines/acc_norm": 0.3}, None)

@@ -1,0 +1,230 @@
+"""The mixture of experts (train.routed_experts) against tests/reference.py, which runs every expert
+on every position and weighs the outputs: dropless dispatch, the router, the gates, the balance loss
+and the bias's update, on meshes of 8 devices; and MoE training runs that agree across meshes and
+resume after kill -9."""
+
+import json
+import os
+import subprocess
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import reference
+import train
+from fixtures import (
+    make_mesh,
+    perturbed_weights,
+    put_batch,
+    random_batch,
+    reference_config,
+    start_train,
+    synthetic_dataset,
+    tiny_config,
+    tiny_overrides,
+    train_args,
+)
+from reference import weights_to_dicts
+from seqax.shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+
+# The tiny model with 4 experts of H 32 (every mesh of 8 devices splits H over t), 2 a token, blocks
+# of 8 rows, and the dense SwiGLU kept as a shared expert.
+MOE = ("+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=32", "+model.expert_block=8")
+# Against the reference: 2 kv heads (its loop over heads compiles in seconds), so meshes with t <= 2.
+FEW_HEADS = ("model.n_kv=2",)
+
+
+def moe_problem(*overrides: str, bias=(0.3, -0.2, 0.0, 0.1)):
+    """(config, float32 weights with the given expert bias, batch) of the tiny MoE model with FEW_HEADS."""
+    cfg = tiny_config(*MOE, *FEW_HEADS, *overrides)
+    w = jax.device_get(perturbed_weights(cfg))
+    bias = np.broadcast_to(np.float32(bias), (cfg.model.layers, 4))
+    layers = train.Layer(**{**vars(w.layers), "expert_bias": bias})
+    batch = random_batch(0, cfg.training.tokens.batch, cfg.training.tokens.len, cfg.model.vocab)
+    return cfg, train.Model(w.embed, layers, w.final_norm, w.unembed), batch
+
+
+def reference_of(cfg, weights, batch, balance_weight=0.0):
+    """The float32 reference's loss, the gradients of loss + balance_weight x the balance losses, and
+    per layer (loads [E], balance loss)."""
+    ref_cfg = reference_config(cfg.model)
+    w = weights_to_dicts(weights, cfg.model.layers)
+
+    def objective(w):
+        balance = sum(b for _, b in reference.loads_and_balance(w, ref_cfg, *batch[:2]))
+        return reference.loss(w, ref_cfg, *batch) + balance_weight * balance
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(reference, "bf16", jnp.float32)
+        grads = jax.jit(jax.grad(objective))(w)
+        loss = jax.jit(lambda w: reference.loss(w, ref_cfg, *batch))(w)
+        routing = jax.jit(lambda w: reference.loads_and_balance(w, ref_cfg, *batch[:2]))(w)
+    return float(loss), grads, [(np.asarray(load), float(balance)) for load, balance in routing]
+
+
+def sharded(cfg, mesh, weights, batch, balance_weight: float):
+    """train.model_loss on `mesh` with float32 matmuls: (objective, cross-entropy, loads [layers, E], gradients)."""
+    @typed_shard_map
+    def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"],
+                  mask: bool_[b"B/d L/c"]) -> tuple[f32[b""], f32[b""], f32[b"layers E"], train.Model]:
+        loss_fn = partial(train.model_loss, cfg.model, balance_weight)
+        (objective, (loss, load)), grads = jax.value_and_grad(loss_fn, has_aux=True)(w, targets, starts, mask)
+        load = lax.psum(load, ("d", "c", "t")) / lax.axis_size("t")
+        return lax.psum(objective, ("d", "c")), lax.psum(loss, ("d", "c")), load, grads
+
+    with jax.set_mesh(mesh), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "MATMUL_DTYPE", jnp.float32)
+        w = jax.device_put(weights, make_shardings(train.Model, mesh))
+        return jax.device_get(jax.jit(on_device)(w, *put_batch(mesh, batch)))
+
+
+def assert_equals_reference(cfg, weights, batch, reference_results, mesh, balance_weight):
+    ref_loss, ref_grads, ref_routing = reference_results
+    objective, loss, load, grads = sharded(cfg, mesh, weights, batch, balance_weight)
+    assert abs(loss - ref_loss) <= 1e-6 * ref_loss, (loss, ref_loss)
+    np.testing.assert_array_equal(load, np.stack([load for load, _ in ref_routing]))  # integer counts
+    balance = sum(b for _, b in ref_routing)
+    assert abs((objective - loss) - balance_weight * balance) <= 1e-5 * balance_weight * balance + 1e-9
+    flat = jax.tree_util.tree_flatten_with_path(weights_to_dicts(grads, cfg.model.layers))[0]
+    for (path, g), r in zip(flat, jax.tree.leaves(ref_grads), strict=True):
+        if "expert_bias" in jax.tree_util.keystr(path):  # picks experts, weighs nothing: no gradient
+            assert not np.any(g) and not np.any(r)
+            continue
+        err = np.linalg.norm(np.float64(g) - np.float64(r)) / np.linalg.norm(np.float64(r))
+        assert err < 1e-4, f"gradient {jax.tree_util.keystr(path)}: relative L2 error {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def problem():
+    cfg, weights, batch = moe_problem()
+    return cfg, weights, batch, reference_of(cfg, weights, batch, 0.3)
+
+
+@pytest.mark.parametrize("d,t,c", [(4, 2, 1), pytest.param(1, 1, 1, marks=pytest.mark.slow),
+                                   pytest.param(8, 1, 1, marks=pytest.mark.slow),
+                                   pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+def test_float32_loss_loads_balance_and_gradients_equal_every_expert_on_every_token(problem, d, t, c):
+    """The loss, each layer's expert loads and every gradient (router and experts included) equal the
+    reference's, which computes all experts at every position: no row dropped or misrouted, on meshes
+    that split the batch, H and the rows' positions (with context parallelism a row's positions are
+    routed on c devices). With expert_balance_loss 0.3 the objective is the cross-entropy plus 0.3 x
+    the layers' sequence-wise balance losses as the reference states them (each device's share of a
+    row adds up; the t devices of a group count theirs once)."""
+    assert_equals_reference(*problem, make_mesh(d, t, c), balance_weight=0.3)
+
+
+@pytest.mark.slow
+def test_dropless_when_every_token_picks_the_same_two_experts():
+    """A bias that sends every token to experts 0 and 1 (the worst load the blocks must hold) changes
+    nothing: all rows computed, as the reference."""
+    cfg, weights, batch = moe_problem(bias=(50.0, 50.0, 0.0, 0.0))
+    routing = reference_of(cfg, weights, batch)[2]
+    tokens = cfg.training.tokens.batch * cfg.training.tokens.len
+    assert all(load.tolist() == [tokens, tokens, 0, 0] for load, _ in routing)
+    assert_equals_reference(cfg, weights, batch, reference_of(cfg, weights, batch), make_mesh(4, 2), 0.0)
+
+
+@pytest.mark.slow
+def test_a_step_moves_each_bias_by_the_rate_against_its_load():
+    """After one training step each expert's bias moved by expert_bias_rate: up if the batch gave it
+    fewer rows than its layer's mean, down if more (the reference's loads); no other rule touches it."""
+    cfg, weights, batch = moe_problem("+training.expert_bias_rate=0.01")
+    mesh = make_mesh(4, 2)
+    with pytest.MonkeyPatch.context() as patch:  # float32 routing, as the reference's
+        patch.setattr(train, "MATMUL_DTYPE", jnp.float32)
+        with jax.set_mesh(mesh):
+            state = jax.jit(train.fresh_state, out_shardings=make_shardings(train.State, mesh))(weights)
+            new, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), cfg)
+    loads = np.stack([load for load, _ in reference_of(cfg, weights, batch)[2]])
+    moved = np.asarray(new.weights.layers.expert_bias) - weights.layers.expert_bias
+    np.testing.assert_allclose(moved, 0.01 * np.sign(loads.mean(axis=1, keepdims=True) - loads), atol=1e-7)
+    assert np.any(moved > 0) and np.any(moved < 0)
+    assert float(metrics.expert_load) == pytest.approx(np.max(loads / loads.mean(axis=1, keepdims=True)))
+    assert new.muon_momentum.layers.expert_bias is None and new.adam_mu.layers.expert_bias is None
+
+
+def test_model_flops_count_the_active_experts_only():
+    """8 experts of half the dense d_ff, 2 a token: the dense model's FLOPs per token plus the router's."""
+    dense = tiny_config()
+    moe = tiny_config("model.d_ff=0", "+model.experts=8", "+model.experts_per_token=2",
+                      f"+model.expert_d_ff={dense.model.d_ff // 2}")
+    router = 3 * 2 * dense.model.layers * dense.model.d_model * 8
+    assert train.model_flops_per_token(moe.model, 16) == train.model_flops_per_token(dense.model, 16) + router
+
+
+# ---------------------------------------------------------------------------------------------
+# Training runs.
+
+
+@pytest.mark.slow
+def test_training_steps_agree_on_every_mesh(default_dataset):
+    """The tiny MoE model (bf16, Muon on every expert) on rows of the synthetic dataset, steps 0-2
+    on meshes 1x1, 8x1, 4x2, 2x4 and 2x2x2: step 0's loss within 1e-5 relative of the 1x1 run's,
+    steps 1 and 2 within 1e-4 (the dense model's bounds, test_optimizer); the load is the same."""
+    from seqax.data_loader import make_loader
+    from seqax.flat_tokens import open_flat_tokens
+
+    cfg = tiny_config(*MOE, "training.tokens.len=64", "model.attention_block=16", f"dataset.path={default_dataset}")
+    dataset = open_flat_tokens(default_dataset)
+    runs = {}
+    for d, t, c in [(1, 1, 1), (8, 1, 1), (4, 2, 1), (2, 4, 1), (2, 2, 2)]:
+        mesh = make_mesh(d, t, c)
+        loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
+        with jax.set_mesh(mesh):
+            state, runs[d, t, c] = train.init_state(cfg, mesh), []
+            for step in range(3):
+                batch = loader.batch(step)
+                state, metrics = train.training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start,
+                                                     batch.loss_mask, cfg)
+                runs[d, t, c].append((float(metrics.loss), float(metrics.expert_load)))
+        loader.close()
+    one = runs[1, 1, 1]
+    assert one[2][0] < one[0][0] - 0.05
+    for mesh_shape, run in runs.items():
+        assert abs(run[0][0] / one[0][0] - 1) <= 1e-5, (mesh_shape, run, one)
+        assert all(abs(a[0] / b[0] - 1) <= 1e-4 for a, b in zip(run[1:], one[1:])), (mesh_shape, run, one)
+        assert run[0][1] == one[0][1], (mesh_shape, run, one)
+
+
+def losses(run_dir) -> dict[int, float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return {line["step"]: line["loss"] for line in map(json.loads, f) if "loss" in line}
+
+
+@pytest.mark.slow
+def test_a_run_killed_and_resumed_on_another_mesh_continues_the_same(tmp_path):
+    """An MoE run killed with SIGKILL after its checkpoint at step 4 resumes from it with the same
+    losses, bitwise, as a run never stopped (the bias, router and experts all restored); the same
+    checkpoint resumed on a 2x4 mesh instead of 4x2 continues within 1e-4 (float32 sums in another
+    order)."""
+    dataset = synthetic_dataset(tmp_path / "data.zarr", "--train-tokens", "100000", "--validation-tokens", "10000")
+    overrides = tiny_overrides(*MOE, "training.steps=8", "checkpoint_interval=4", "checkpoints.keep=0",
+                               "eval_interval=0", "eval_batches=0")
+
+    def run(name, *changes, kill_after=None):
+        process = start_train(train_args(tmp_path, dataset, name, *overrides, *changes), graph=False,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if kill_after is None:
+            assert process.wait(timeout=300) == 0, process.stderr.read()
+            return
+        checkpoint = tmp_path / name / "checkpoints" / f"{kill_after:010d}" / "zarr.json"
+        while not (checkpoint.exists() and json.loads(checkpoint.read_text())["attributes"].get("write_completed")):
+            assert process.poll() is None, process.stderr.read()
+        process.kill()
+        process.wait()
+
+    run("whole")
+    run("killed", kill_after=4)
+    assert max(losses(tmp_path / "killed")) < 7  # it did not reach the end
+    run("killed")
+    assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
+    os.makedirs(tmp_path / "moved" / "checkpoints")
+    os.symlink(tmp_path / "killed" / "checkpoints" / f"{4:010d}", tmp_path / "moved" / "checkpoints" / f"{4:010d}")
+    run("moved", "mesh.d=2", "mesh.t=4")
+    moved, whole = losses(tmp_path / "moved"), losses(tmp_path / "whole")
+    assert sorted(moved) == [4, 5, 6, 7]
+    assert all(abs(moved[s] / whole[s] - 1) <= 1e-4 for s in moved), (moved, whole)
