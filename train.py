@@ -212,9 +212,11 @@ def rope(x, sin, cos):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def routed_experts(h: ModelConfig, nx, w: Layer) -> tuple[jax.Array, Routing]:
-    """The mixture of experts on the normed stream nx [B/d, L/c, M] (MATMUL_DTYPE): its output [B/d, L/c, M]
-    (float32, partial sums over t) and the layer's Routing. Each token goes to the experts_per_token
+def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Routing]:
+    """The mixture of experts on the normed stream [B/d, L/c, M], `normed` in float32 and nx its
+    MATMUL_DTYPE rounding: its output [B/d, L/c, M] (float32, partial sums over t) and the layer's
+    Routing. The router reads `normed`: a choice that a rounding of nx could flip would differ between
+    meshes, whose float32 sums differ in their last bits. Each token goes to the experts_per_token
     (k) experts of highest score + expert_bias and returns the sum of their SwiGLUs, weighed by its
     gates: the sigmoids of its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3,
     Liu et al. 2024: the bias balances the load by changing who is picked, never a gate's value).
@@ -226,7 +228,7 @@ def routed_experts(h: ModelConfig, nx, w: Layer) -> tuple[jax.Array, Routing]:
     every weight; H splits over t (Megatron-style, as F): tokens never leave their device."""
     B, L, M = nx.shape
     E, k, b = h.experts, h.experts_per_token, h.expert_block
-    scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", nx.astype(jnp.float32), w.router))  # float32 [B, L, E]
+    scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", normed, w.router))  # float32 [B, L, E]
     _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, k)  # [B, L, k]; a tie goes to the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
@@ -289,8 +291,8 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
     x = save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out))
 
-    nx = all_gather("B/d L/c M/t -> B/d L/c M", x)
-    nx = save_for_backward(rms_norm(nx, w.ffn_norm, h.norm_eps).astype(MATMUL_DTYPE))
+    normed = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.ffn_norm, h.norm_eps)  # float32
+    nx = save_for_backward(normed.astype(MATMUL_DTYPE))
     w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, MATMUL_DTYPE)
     w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, MATMUL_DTYPE)
     gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
@@ -302,7 +304,7 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     # XLA:CPU only: w_down enters transposed, [M, F/t] (stored [F, M]), so that XLA:CPU's weight
     # gradient transposes the output gradient, not hidden (docs/performance.md, "w_down").
     out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
-    experts_out, routing = routed_experts(h, nx, w)
+    experts_out, routing = routed_experts(h, normed, nx, w)
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out + experts_out), extra, routing
 
 

@@ -52,7 +52,8 @@ GiB = 2**30
 # Where the time goes, by the code a kernel came from (its innermost frame in train.py; JAX records
 # none inside a custom VJP's rules, so attention's kernels stop at the layer's `attend`).
 OPTIMIZER = ("newton_schulz", "muon_update", "adamw_update", "optimizer_step", "schedule")
-KINDS = ("matmuls", "attention", "elementwise, norms, converts", "optimizer: Newton-Schulz", "optimizer: other",
+KINDS = ("matmuls", "attention", "elementwise, norms, converts", "experts: matmuls",
+         "experts: dispatch (routing, gathers, combine)", "optimizer: Newton-Schulz", "optimizer: other",
          "communication (exposed)")
 # The compilers, by platform: the package that holds each (requirements-compilers.txt).
 COMPILERS = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin and jax-cuda12-pjrt"), "tpu": ("libtpu", "libtpu")}
@@ -73,6 +74,8 @@ def category(kernel: roofline.Kernel) -> str:
         return "optimizer: Newton-Schulz"
     if any(f.split(".")[0] in OPTIMIZER for f in functions):
         return "optimizer: other"
+    if any(f.split(".")[0] == "routed_experts" for f in functions):
+        return "experts: matmuls" if kernel.kind == "matmul" else "experts: dispatch (routing, gathers, combine)"
     return "matmuls" if kernel.kind == "matmul" else "elementwise, norms, converts"
 
 

@@ -45,9 +45,10 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
                        else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c"))
         raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; "
                           f"choose {keys} whose product is {n_devices}")
-    for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("d_ff", m.d_ff), ("vocab", m.vocab)):
+    for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("vocab", m.vocab)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")
+    check_experts(m)
     misfit = mesh_misfit(m, weights, d, t, c)
     if misfit:
         raise ConfigError(f"{misfit}; make it a multiple of the mesh axis, or change the mesh")
@@ -72,6 +73,21 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
     check_values(cfg)
 
 
+def check_experts(m: ModelConfig):
+    """The feed-forward part: a dense SwiGLU (d_ff > 0), experts (experts > 0), or both (a shared expert)."""
+    if m.d_ff < 0 or m.experts < 0 or (m.d_ff == 0 and m.experts == 0):
+        raise ConfigError(f"model.d_ff={m.d_ff} and model.experts={m.experts} leave no feed-forward layer; "
+                          "set d_ff > 0 (dense), experts > 0 (a mixture of experts), or both")
+    if m.experts == 0 and (m.experts_per_token or m.expert_d_ff):
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} and model.expert_d_ff={m.expert_d_ff} "
+                          "need model.experts > 0; set experts, or leave both at 0 for the dense model")
+    if m.experts > 0 and not 1 <= m.experts_per_token <= m.experts:
+        raise ConfigError(f"model.experts_per_token={m.experts_per_token} must be in 1..model.experts={m.experts}")
+    if m.experts > 0 and (m.expert_d_ff <= 0 or m.expert_block <= 0):
+        raise ConfigError(f"model.expert_d_ff={m.expert_d_ff} and model.expert_block={m.expert_block} must be "
+                          "positive with experts")
+
+
 LEVELS = {"zstd": (1, 22), "blosc": (0, 9)}
 
 
@@ -91,7 +107,7 @@ def check_values(cfg: Config):
             raise ConfigError(f"training.{key}={value} must be in [0, 1) (typical: 0.9 and 0.95)")
     if not tr.adam_eps > 0:
         raise ConfigError(f"training.adam_eps={tr.adam_eps} must be positive (typical: 1e-8)")
-    for key in ("weight_decay", "muon_weight_decay", "muon_learning_rate"):
+    for key in ("weight_decay", "muon_weight_decay", "muon_learning_rate", "expert_bias_rate", "expert_balance_loss"):
         if getattr(tr, key) < 0:
             raise ConfigError(f"training.{key}={getattr(tr, key)} must not be negative (0 turns it off)")
     if not 0 <= tr.muon_momentum < 1:

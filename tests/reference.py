@@ -61,12 +61,13 @@ def sequence_losses(w, cfg, tokens, starts):
                 outputs.append(mm(jax.nn.softmax(scores, axis=-1), vs[:, kv]).astype(bf16))
         attn = mm(jnp.stack(outputs, axis=1).reshape(L, Q * K * D), layer["w_o"].reshape(Q * K * D, M))
         x = x + attn
-        h = norm(x, layer["ffn_norm"], cfg["norm_eps"]).astype(bf16)
+        normed = norm(x, layer["ffn_norm"], cfg["norm_eps"])
+        h = normed.astype(bf16)
         g = mm(h, layer["w_gate"]).astype(bf16)
         u = mm(h, layer["w_up"]).astype(bf16)
         # in float32, rounded once, as train.py
-        x = x + mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["w_down"]) + experts(layer, cfg, h)
-        routing.append(expert_weights(layer, cfg, h)[1:])
+        x = x + mm((jax.nn.silu(g.astype(f32)) * u).astype(bf16), layer["w_down"]) + experts(layer, cfg, normed)
+        routing.append(expert_weights(layer, cfg, normed)[1:])
     h = norm(x, w["final_norm"], cfg["norm_eps"])
     logp = jax.nn.log_softmax(mm(h, w["unembed"]), axis=-1)
     return -jnp.take_along_axis(logp, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0], routing
@@ -75,16 +76,17 @@ def sequence_losses(w, cfg, tokens, starts):
 def expert_weights(layer, cfg, h):
     """[L, E] weight of each expert at each position of a row: 0 unless it is one of the
     experts_per_token of highest sigmoid(h @ router) + expert_bias; the chosen weigh their sigmoids
-    divided by the chosen's sum. h: the normed input [L, M]."""
-    scores = jax.nn.sigmoid(h.astype(f32) @ layer["router"])
+    divided by the chosen's sum. h: the normed input [L, M] in float32."""
+    scores = jax.nn.sigmoid(h @ layer["router"])
     _, chosen = jax.lax.top_k(scores + layer["expert_bias"], cfg["experts_per_token"])
     picked = jnp.sum(jax.nn.one_hot(chosen, scores.shape[-1], dtype=f32), axis=1)  # [L, E]: 1 where chosen
     return picked * scores / jnp.sum(picked * scores, axis=-1, keepdims=True), picked, scores
 
 
-def experts(layer, cfg, h):
+def experts(layer, cfg, normed):
     """The mixture of experts' output [L, M]: every expert on every position, weighed (mostly by 0)."""
-    weights, _, _ = expert_weights(layer, cfg, h)
+    weights, _, _ = expert_weights(layer, cfg, normed)
+    h = normed.astype(bf16)
     out = jnp.zeros(h.shape, f32)
     for e in range(layer["router"].shape[-1]):
         g = mm(h, layer["expert_gate"][e]).astype(bf16)

@@ -200,6 +200,14 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("checkpoints.compression=zstd checkpoints.level=0", r"checkpoints.level=0 is out of range for zstd; choose 1..22"),
     ("checkpoints.compression=blosc checkpoints.level=10",
      r"checkpoints.level=10 is out of range for blosc; choose 0..9"),
+    ("model.d_ff=0", r"model.d_ff=0 and model.experts=0 leave no feed-forward layer"),
+    ("+model.experts_per_token=2", r"model.experts_per_token=2 and model.expert_d_ff=0 need model.experts > 0"),
+    ("+model.experts=4 +model.experts_per_token=5 +model.expert_d_ff=64",
+     r"model.experts_per_token=5 must be in 1..model.experts=4"),
+    ("+model.experts=4 +model.experts_per_token=2", r"model.expert_d_ff=0 and model.expert_block=64 must be positive"),
+    ("+model.experts=4 +model.experts_per_token=2 +model.expert_d_ff=63",
+     r"model.expert_d_ff=63 is not divisible by mesh.t=2"),
+    ("+training.expert_bias_rate=-0.1", r"training.expert_bias_rate=-0.1 must not be negative"),
 ])
 def test_bad_values_are_one_line_with_the_remedy(override, message):
     overrides = override.split(" ")

@@ -75,6 +75,24 @@ def test_greedy_with_kv_cache_matches_full_forward_passes(model, d, t):
 
 
 @pytest.mark.slow
+def test_a_mixture_of_experts_generates_as_its_full_forward_passes():
+    """sample.py's cached decoding routes each new token as the training model routes it in a full
+    forward pass (4 experts, 2 a token, a nonzero selection bias): the same greedy tokens."""
+    cfg = tiny_config("model.n_kv=2", "+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=32",
+                      "+model.expert_block=8")
+    w = train.init_weights(cfg.model, jax.random.key(0))
+    bias = jax.random.normal(jax.random.key(1), w.layers.expert_bias.shape)
+    weights = jax.device_get(train.Model(w.embed, train.Layer(**{**vars(w.layers), "expert_bias": bias}),
+                                         w.final_norm, w.unembed))
+    mesh = make_mesh(4, 2)
+    placed = jax.device_put(weights, make_shardings(train.Model, mesh))
+    for prompt in PROMPTS[1:]:
+        expected = greedy_without_cache(cfg.model, weights, mesh, prompt, NEW_TOKENS)
+        tokens = sample.generate(cfg.model, placed, mesh, prompt, num_samples=2, max_new_tokens=NEW_TOKENS)
+        assert all(row.tolist() == expected for row in tokens), (prompt, tokens, expected)
+
+
+@pytest.mark.slow
 def test_seeded_sample_is_reproducible(model):
     h, weights = model
     mesh = make_mesh(4, 2)
