@@ -52,7 +52,8 @@ from seqax.multihost import console_name, initialize_distributed, make_mesh, run
 from seqax.records import RunRecords
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
 from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, take_unreduced
-from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_shardings, pytree_dataclass, typechecked
+from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
+from seqax.shardlib.shardtypes import typechecked
 from seqax.shardlib.shardtypes import typed_shard_map, u32
 from seqax.signals import PreemptionWatch
 from seqax.startup_report import StartupReport, compile_step
@@ -563,7 +564,10 @@ def optimizer_step(training: TrainingConfig, step, state: State, grads: Model, g
 # The training step: one jitted function, state donated.
 
 
-@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+# The new state is laid out as its annotation says, stated here: XLA would lay out an empty array (the
+# experts of a dense model) as it likes, and the next step, compiled for the annotated layout, refuse it.
+@partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",),
+         out_shardings=(make_partition_specs(State), make_partition_specs(Metrics)))
 def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Config) -> tuple[State, Metrics]:
     @typed_shard_map
     def step_on_device(state: State, step: u32[b""], targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],

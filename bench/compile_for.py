@@ -55,6 +55,9 @@ OPTIMIZER = ("newton_schulz", "muon_update", "adamw_update", "optimizer_step", "
 KINDS = ("matmuls", "attention", "elementwise, norms, converts", "experts: matmuls",
          "experts: dispatch (routing, gathers, combine)", "optimizer: Newton-Schulz", "optimizer: other",
          "communication (exposed)")
+# What an elementwise kernel is made of (the op its code named): inside routed_experts these are the
+# experts' SwiGLU and roundings, as the dense SwiGLU's; the rest there moves rows (the dispatch).
+ELEMENTWISE = ("convert_element_type", "mul", "add", "sub", "logistic", "exp", "div", "neg", "max", "min")
 # The compilers, by platform: the package that holds each (requirements-compilers.txt).
 COMPILERS = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin and jax-cuda12-pjrt"), "tpu": ("libtpu", "libtpu")}
 
@@ -74,8 +77,11 @@ def category(kernel: roofline.Kernel) -> str:
         return "optimizer: Newton-Schulz"
     if any(f.split(".")[0] in OPTIMIZER for f in functions):
         return "optimizer: other"
-    if any(f.split(".")[0] == "routed_experts" for f in functions):
-        return "experts: matmuls" if kernel.kind == "matmul" else "experts: dispatch (routing, gathers, combine)"
+    experts = any(f.split(".")[0] == "routed_experts" for f in functions)
+    if experts and kernel.kind == "matmul":
+        return "experts: matmuls"
+    if experts and kernel.op_name.rsplit("/", 1)[-1] not in ELEMENTWISE:
+        return "experts: dispatch (routing, gathers, combine)"  # the experts' SwiGLU stays elementwise
     return "matmuls" if kernel.kind == "matmul" else "elementwise, norms, converts"
 
 

@@ -172,6 +172,19 @@ def test_throughput_rejects_an_override_among_config_names():
     assert result.returncode == 2 and "put hydra overrides after --" in result.stderr
 
 
+def test_the_ladders_mixture_of_experts_has_the_1b_active_parameters_and_fits():
+    """gpu8_1b_moe: per token the parameters (and FLOPs) of gpu8_1b, a router aside; 5.9B in all;
+    memory.py's estimate within 2/3 of an H200."""
+    moe, dense = (config.load_config(name, ["+paths.model_name=check"]) for name in ("gpu8_1b_moe", "gpu8_1b"))
+    validate_config(moe, 8, max_token_id=32766, weights=train.Model)
+    router = 3 * 2 * moe.model.layers * moe.model.d_model * moe.model.experts
+    assert train.model_flops_per_token(moe.model, 2048) == train.model_flops_per_token(dense.model, 2048) + router
+    weights = jax.eval_shape(lambda: train.init_weights(moe.model, jax.random.key(0)))
+    assert math.isclose(sum(math.prod(w.shape) for w in jax.tree.leaves(weights)), 5.88e9, rel_tol=0.01)
+    terms, *_ = memory.accelerator_estimate(moe, memory.config_mesh(moe))
+    assert sum(size for _, size in terms) <= 2 / 3 * DEVICE_MEMORY["gpu"]
+
+
 @pytest.mark.parametrize("name", LADDER + LARGE)
 def test_ladder_config_is_valid_and_the_size_its_name_says(name):
     cfg = config.load_config(name, ["+paths.model_name=check"])

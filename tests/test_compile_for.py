@@ -84,6 +84,32 @@ def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
     assert row["hlo_matmul_tflop_per_device"] * 1e12 == pytest.approx(expected, rel=1e-3), (row, expected)
 
 
+def test_the_roofline_counts_the_experts_padded_blocks_and_prices_their_dispatch(tmp_path):
+    """A mixture of experts (4 experts of 512, 2 a token, the dense SwiGLU as a shared expert) on one
+    H200: the HLO's matmul FLOPs are the model's (active experts only) with the experts' rows replaced
+    by the blocks the step computes (every block, padding included: (B L k + E (b - 1)) // b of b
+    rows a layer), the experts' down projection once more (the gates' gradient needs each expert's
+    output: recomputed, not saved), the gates' weighted sum (a batched dot over the k choices),
+    blockwise attention's and Newton-Schulz's, as above; the experts' matmuls and dispatch are priced."""
+    moe = ["+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=512", "+model.expert_block=64"]
+    [row] = compile_for(tmp_path, "moe", ["local_test_synthetic"], ["h200"], "mesh.d=1", "mesh.t=1",
+                        "model.attention_kernel=blockwise", *moe)
+    cfg = load_config("local_test_synthetic", ["+paths.model_name=x", "mesh.d=1", "mesh.t=1", *moe])
+    h, B, L = cfg.model, cfg.training.tokens.batch, cfg.training.tokens.len
+    heads, b, N = h.n_q_per_kv * h.n_kv, h.attention_block, L // h.attention_block
+    attention = h.layers * (14 * B * heads * b * b * h.d_head * N * (N + 1) / 2 - 6 * B * heads * h.d_head * L * L)
+    k, E, H, M = h.experts_per_token, h.experts, h.expert_d_ff, h.d_model
+    blocks = (B * L * k + E * (h.expert_block - 1)) // h.expert_block
+    experts = h.layers * 3 * 6 * M * H * (blocks * h.expert_block - B * L * k)  # 3 matrices, forward and backward
+    recomputed = h.layers * 2 * M * H * blocks * h.expert_block
+    combine = h.layers * 3 * 2 * B * L * k * M
+    model = train.model_flops_per_token(h, L) * B * L
+    expected = model + attention + experts + recomputed + combine + train.newton_schulz_flops(h, 1)[1]
+    assert row["hlo_matmul_tflop_per_device"] * 1e12 == pytest.approx(expected, rel=1e-3), (row, expected)
+    assert row["seconds_by_kind"]["experts: matmuls"] > 0
+    assert row["seconds_by_kind"]["experts: dispatch (routing, gathers, combine)"] > 0
+
+
 def test_the_pallas_kernels_compile_around_the_ring(tmp_path):
     """Mesh d=2 t=2 c=2 on 8 H200s: the Pallas kernels at every ring step, forward and backward, and
     their block pairs' FLOPs counted (XLA's GPU compiler failed on this ring until its loop carried
