@@ -1,10 +1,12 @@
-"""tools/export_hf.py: transformers loads the exported checkpoint with every weight used, its
-logits (torch, CPU, float32) match seqax's forward pass within bfloat16 rounding, and its
-tokenizer encodes to the ids the dataset holds."""
+"""tools/export_hf.py: transformers loads the exported checkpoint (a Llama, or a Glm4Moe with
+experts) with every weight used, its logits (torch, CPU, float32) match seqax's forward pass
+within bfloat16 rounding, and its tokenizer encodes to the ids the dataset holds. A mixture of
+experts that Glm4Moe cannot express is refused in one line."""
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
@@ -24,12 +26,16 @@ TEXT = ("the quick brown fox jumps over the lazy dog. " * 20
 # by about 2^-9 x sqrt(number of roundings on its path) x its scale; with logits of size ~1-5 on
 # this tiny model that is a few 1e-2 at most. The bound: 5e-2 + 2e-2 x |logit|.
 ATOL, RTOL = 5e-2, 2e-2
+# With float32 matmuls in seqax too, only the order of sums differs: ~1e-6 on these logits.
+ATOL_F32, RTOL_F32 = 1e-4, 1e-4
 
-pytestmark = pytest.mark.slow  # a dataset, a checkpoint, an export and torch
+# The tiny model with 4 experts of H 32, 2 a token (as tests/test_moe.py); TINY's d_ff 128 is 4 experts wide.
+MOE = ("+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=32", "+model.expert_block=8")
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def dataset(tmp_path_factory):
+    """(folder, a dataset prepared with a BPE tokenizer.json trained here)."""
     root = tmp_path_factory.mktemp("export")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -41,17 +47,40 @@ def exported(tmp_path_factory):
     (root / "more.txt").write_text(TEXT[::-1])
     data = prepared_dataset(root / "data.zarr", str(root / "text.txt"), str(root / "more.txt"), "--tokenizer",
                             str(root / "tokenizer.json"), "--eos-token", "</s>", "--validation-documents", "1")
+    return root, data
 
-    cfg = tiny_config("model.n_kv=2", f"dataset.path={data}", f"paths.root_working_dir={root}")
-    run_dir = root / "run"
+
+def exported_run(root, name: str, cfg, weights) -> str:
+    """The export (its folder) of a run `name` whose checkpoint 3 holds `weights`."""
+    run_dir = root / name
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
-    weights = perturbed_weights(cfg)
     checkpointer = Checkpointer(str(run_dir / "checkpoints"), cfg.checkpoints)
     checkpointer.save(3, train.fresh_state(weights))
     checkpointer.close()
-    export_hf.main(["--run-dir", str(run_dir), "--output", str(root / "hf")])
-    return cfg, jax.device_get(weights), str(root / "hf"), data
+    export_hf.main(["--run-dir", str(run_dir), "--output", str(root / f"{name}_hf")])
+    return str(root / f"{name}_hf")
+
+
+@pytest.fixture(scope="module")
+def exported(dataset):
+    root, data = dataset
+    cfg = tiny_config("model.n_kv=2", f"dataset.path={data}", f"paths.root_working_dir={root}")
+    weights = perturbed_weights(cfg)
+    return cfg, jax.device_get(weights), exported_run(root, "run", cfg, weights), data
+
+
+@pytest.fixture(scope="module", params=[128, 0], ids=["shared_expert", "no_shared_expert"])
+def exported_moe(dataset, request):
+    """The tiny MoE model with the dense SwiGLU as 4 shared experts, or none (d_ff 0), and a selection
+    bias that differs by expert and layer (training moves it off 0)."""
+    root, data = dataset
+    cfg = tiny_config("model.n_kv=2", *MOE, f"model.d_ff={request.param}", f"dataset.path={data}",
+                      f"paths.root_working_dir={root}")
+    w = perturbed_weights(cfg)
+    bias = jnp.asarray(np.random.default_rng(1).normal(0, 0.1, (cfg.model.layers, cfg.model.experts)), jnp.float32)
+    weights = train.Model(w.embed, train.Layer(**{**vars(w.layers), "expert_bias": bias}), w.final_norm, w.unembed)
+    return cfg, jax.device_get(weights), exported_run(root, f"moe_{request.param}", cfg, weights)
 
 
 def seqax_logits(cfg, weights, inputs: np.ndarray) -> np.ndarray:
@@ -64,6 +93,29 @@ def seqax_logits(cfg, weights, inputs: np.ndarray) -> np.ndarray:
                                                     inputs, starts))
 
 
+def random_documents(vocab: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(1, vocab, size=(4, 16)).astype(np.uint32)
+    inputs[:, 0] = 0  # begin of document
+    return inputs
+
+
+def hf_logits(model, inputs: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
+
+
+def assert_logits_agree(theirs: np.ndarray, ours: np.ndarray, atol: float = ATOL, rtol: float = RTOL):
+    diff, bound = np.abs(theirs - ours), atol + rtol * np.abs(ours)
+    print(f"max |logit difference| {diff.max():.3g}, max |logit| {np.abs(ours).max():.3g}, "
+          f"worst difference / bound {(diff / bound).max():.3g}")
+    assert np.all(diff <= bound), diff.max()
+    assert np.mean(theirs.argmax(-1) == ours.argmax(-1)) > 0.9
+
+
+@pytest.mark.slow  # a dataset, a checkpoint, an export and torch
 def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
     import torch  # required (requirements-dev.txt); imported here so that collecting the fast tier does not pay for it
     import transformers
@@ -71,18 +123,46 @@ def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
     cfg, weights, hf_dir, _ = exported
     model, info = transformers.LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True, dtype=torch.float32)
     assert not any(info.values()), info  # missing, unexpected and mismatched keys, errors
-    rng = np.random.default_rng(0)
-    inputs = rng.integers(1, cfg.model.vocab, size=(4, 16)).astype(np.uint32)
-    inputs[:, 0] = 0  # begin of document
-    with torch.no_grad():
-        theirs = model(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
+    inputs = random_documents(cfg.model.vocab)
+    assert_logits_agree(hf_logits(model, inputs), seqax_logits(cfg, weights, inputs))
+
+
+@pytest.mark.slow  # a dataset, a checkpoint, an export and torch
+def test_glm4_moe_loads_every_weight_and_matches_seqax_logits(exported_moe, monkeypatch):
+    """With float32 matmuls in seqax: bfloat16's rounding of the router's input moves a score by ~1e-3,
+    which can flip a near tie of the top-k (then that token's logits differ by far more than rounding)."""
+    import torch
+    import transformers
+
+    cfg, weights, hf_dir = exported_moe
+    model, info = transformers.Glm4MoeForCausalLM.from_pretrained(hf_dir, output_loading_info=True,
+                                                                  dtype=torch.float32)
+    assert not any(info.values()), info
+    monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
+    inputs = random_documents(cfg.model.vocab)
     ours = seqax_logits(cfg, weights, inputs)
-    diff = np.abs(theirs - ours)
-    print(f"max |logit difference| {diff.max():.3g}, max |logit| {np.abs(ours).max():.3g}")
-    assert np.all(diff <= ATOL + RTOL * np.abs(ours)), diff.max()
-    assert np.mean(theirs.argmax(-1) == ours.argmax(-1)) > 0.9
+    assert_logits_agree(hf_logits(model, inputs), ours, ATOL_F32, RTOL_F32)
+    for layer in model.model.layers:  # the bias matters here: without it other experts are picked
+        layer.mlp.gate.e_score_correction_bias.zero_()
+    assert not np.allclose(hf_logits(model, inputs), ours, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("overrides,line", [
+    ((*MOE, "model.d_ff=48"), "model.d_ff 48 is not a multiple of model.expert_d_ff 32: "),
+    (("+model.experts=1", "+model.experts_per_token=1", "+model.expert_d_ff=32"), "model.experts is 1: "),
+], ids=["shared_expert_width", "one_expert"])
+def test_a_mixture_of_experts_glm4_moe_cannot_express_is_refused_in_one_line(tmp_path, capsys, overrides, line):
+    cfg = tiny_config(*overrides)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
+    with pytest.raises(SystemExit) as exit:
+        export_hf.main(["--run-dir", str(tmp_path), "--output", str(tmp_path / "hf")])
+    assert exit.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"seqax: error: {line}"), lines
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow  # a dataset, a checkpoint, an export and torch
 def test_exported_tokenizer_encodes_to_the_dataset_ids(exported):
     import transformers
 

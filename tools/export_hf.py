@@ -1,6 +1,6 @@
-"""A checkpoint as a Hugging Face Llama model directory (config.json, model.safetensors and
-the dataset's tokenizer, whether a tokenizer.json or the bytes tokenizer), which
-`transformers.LlamaForCausalLM.from_pretrained(DIR)` loads with every weight used.
+"""A checkpoint as a Hugging Face model directory (config.json, model.safetensors and the
+dataset's tokenizer, whether a tokenizer.json or the bytes tokenizer): a Llama, or with experts a
+Glm4Moe, which `transformers.LlamaForCausalLM` (`Glm4MoeForCausalLM`) loads with every weight used.
 
     python -m tools.export_hf --run-dir runs/RUN [--step N] --output hf_model/ [--overwrite]
 
@@ -10,6 +10,17 @@ final RMSNorm, untied unembedding. The weights map one to one, transposed to tor
 [out, in] layout. Heads: HF's `repeat_kv` gives query head h the kv head h // Q, so seqax's query
 head (q, k) is HF head k * Q + q. Weights are written in float32, as trained; seqax runs its
 matmuls with bfloat16 operands, so logits agree to bfloat16 rounding, not exactly.
+
+With experts (model.experts > 0) the class is Glm4Moe, whose router is train.routed_experts':
+sigmoid scores, a bias per expert (e_score_correction_bias) added to choose the top k and not to
+weigh them, the chosen scores divided by their sum (norm_topk_prob, routed_scaling_factor 1), and
+groups of experts that one group (n_group 1) makes moot. Its attention is Llama's once RoPE covers
+the whole head (partial_rotary_factor 1; its default is half) and every layer has experts
+(first_k_dense_replace 0). The dense SwiGLU is its shared expert, moe_intermediate_size x
+n_shared_experts wide: d_ff must be a multiple of expert_d_ff (0: none), and its group score (a
+group's top 2) needs 2 experts or more; a run that is not so is refused (check_expressible). The
+experts are written one module each, as GLM-4.5's checkpoints and save_pretrained have them;
+transformers stacks them into gate_up_proj [E, 2H, M] and down_proj [E, M, H] when it loads.
 
 Token ids are seqax's: a tokenizer's id + 1, with 0 the begin-of-document input (bos_token_id 0).
 The exported tokenizer.json is the dataset's with every id shifted by one and a `<seqax_bos>`
@@ -46,25 +57,42 @@ BOS_TOKEN = "<seqax_bos>"
 PAD_TOKEN = "<seqax_pad>"
 
 
-# The weights of train.Model that a Hugging Face Llama has a place for (hf_tensors maps each).
+# The weights of train.Model that a Hugging Face Llama has a place for (hf_tensors maps each), and those that
+# a Glm4Moe has: Llama's (its MLP the shared expert) and the router and experts.
 LLAMA_WEIGHTS = {"embed", "final_norm", "unembed", "layers.attn_norm", "layers.w_q", "layers.w_k", "layers.w_v",
                  "layers.w_o", "layers.ffn_norm", "layers.w_gate", "layers.w_up", "layers.w_down"}
+GLM4_MOE_WEIGHTS = LLAMA_WEIGHTS | {"layers.router", "layers.expert_bias", "layers.expert_gate", "layers.expert_up",
+                                    "layers.expert_down"}
+
+
+def check_expressible(h):
+    """A ConfigError unless Glm4Moe computes what train.routed_experts does for model config `h` (experts > 0)."""
+    if h.experts == 1:
+        raise ConfigError("model.experts is 1: Glm4Moe, the Hugging Face class with our router, ranks its expert "
+                          "group by its top 2 experts, so it needs 2 or more; this run cannot be exported")
+    if h.expert_d_ff < 1 or h.d_ff % h.expert_d_ff:
+        raise ConfigError(f"model.d_ff {h.d_ff} is not a multiple of model.expert_d_ff {h.expert_d_ff}: Glm4Moe's "
+                          "shared expert has n_shared_experts x moe_intermediate_size hidden units, so the dense "
+                          "SwiGLU must be a whole number of experts wide (or 0); this run cannot be exported")
 
 
 def hf_tensors(w, h) -> dict[str, np.ndarray]:
-    """HF Llama parameter names -> float32 arrays, from train.Model numpy weights `w`. A weight that
-    Llama has no place for (a model edit, such as QK-norm) stops the export: it would be dropped."""
+    """HF parameter names -> float32 arrays, from train.Model numpy weights `w`: Llama's for a dense
+    model, Glm4Moe's with experts. A weight that the class has no place for (a model edit, such as
+    QK-norm) stops the export: it would be dropped. An empty one (a dense model's experts) holds nothing."""
     names = {jax.tree_util.keystr(path, simple=True, separator=".")
-             for path, _ in jax.tree_util.tree_flatten_with_path(w)[0]}
-    if names - LLAMA_WEIGHTS:
-        raise ConfigError(f"the model has weights that a Hugging Face Llama has no place for: "
-                          f"{sorted(names - LLAMA_WEIGHTS)}; tools/export_hf.py's hf_tensors would drop them, so it "
+             for path, x in jax.tree_util.tree_flatten_with_path(w)[0] if x.size}
+    known, model = (GLM4_MOE_WEIGHTS, "Glm4Moe") if h.experts else (LLAMA_WEIGHTS, "Llama")
+    if names - known:
+        raise ConfigError(f"the model has weights that a Hugging Face {model} has no place for: "
+                          f"{sorted(names - known)}; tools/export_hf.py's hf_tensors would drop them, so it "
                           "exports none (extend it for this model)")
     M, Q, K, D = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.unembed.T}
     layers = w.layers
     for i in range(h.layers):
         p = f"model.layers.{i}."
+        mlp = p + ("mlp.shared_experts." if h.experts else "mlp.")  # Glm4Moe: the dense SwiGLU is the shared expert
         out |= {
             p + "input_layernorm.weight": layers.attn_norm[i],
             # [M, Q, K, D] -> [K, Q, D, M] -> [(k q d), M]: HF head k * Q + q.
@@ -74,10 +102,19 @@ def hf_tensors(w, h) -> dict[str, np.ndarray]:
             # [Q, K, D, M] -> [M, K, Q, D] -> [M, (k q d)].
             p + "self_attn.o_proj.weight": layers.w_o[i].transpose(3, 1, 0, 2).reshape(M, K * Q * D),
             p + "post_attention_layernorm.weight": layers.ffn_norm[i],
-            p + "mlp.gate_proj.weight": layers.w_gate[i].T,
-            p + "mlp.up_proj.weight": layers.w_up[i].T,
-            p + "mlp.down_proj.weight": layers.w_down[i].T,
+            mlp + "gate_proj.weight": layers.w_gate[i].T,
+            mlp + "up_proj.weight": layers.w_up[i].T,
+            mlp + "down_proj.weight": layers.w_down[i].T,
         }
+        if h.experts:  # the router [E, M] and the bias that picks, not weighs (Glm4MoeTopkRouter)
+            out[p + "mlp.gate.weight"] = layers.router[i].T
+            out[p + "mlp.gate.e_score_correction_bias"] = layers.expert_bias[i]
+        for e in range(h.experts):  # one module an expert, as GLM-4.5's checkpoints (transformers stacks them)
+            out |= {
+                p + f"mlp.experts.{e}.gate_proj.weight": layers.expert_gate[i, e].T,
+                p + f"mlp.experts.{e}.up_proj.weight": layers.expert_up[i, e].T,
+                p + f"mlp.experts.{e}.down_proj.weight": layers.expert_down[i, e].T,
+            }
     return {name: np.ascontiguousarray(x, dtype=np.float32) for name, x in out.items()}
 
 
@@ -88,7 +125,7 @@ def pad_id(data_vocab: int, model_vocab: int, eos_id: int | None) -> int | None:
 
 
 def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None) -> dict:
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": h.vocab, "hidden_size": h.d_model,
         "intermediate_size": h.d_ff, "num_hidden_layers": h.layers, "num_attention_heads": h.n_q_per_kv * h.n_kv,
         "num_key_value_heads": h.n_kv, "head_dim": h.d_head, "hidden_act": "silu", "rms_norm_eps": h.norm_eps,
@@ -96,6 +133,19 @@ def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None)
         "max_position_embeddings": max_positions, "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": eos_id, "pad_token_id": pad,
         "torch_dtype": "float32", "dtype": "float32",
+    }
+    if not h.experts:
+        return config
+    del config["mlp_bias"]
+    # Glm4Moe's defaults that differ from our model, set back: RoPE on half of each head, no MoE in the first
+    # layer, a multi-token prediction layer. Its router's groups do nothing with one group (n_group 1).
+    return config | {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "partial_rotary_factor": 1.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": h.rope_base, "partial_rotary_factor": 1.0},
+        "use_qk_norm": False, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
+        "n_routed_experts": h.experts, "num_experts_per_tok": h.experts_per_token,
+        "moe_intermediate_size": h.expert_d_ff, "n_shared_experts": h.d_ff // h.expert_d_ff,
+        "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
     }
 
 
@@ -200,6 +250,8 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         raise ConfigError("the export writes safetensors, which is not installed: "
                           ".venv/bin/pip install -r requirements-dev.txt") from None
     run = load_run_config(run_dir)
+    if run.model.experts:
+        check_expressible(run.model)
     mesh = run_mesh(run.model, train.Model, None, None)
     step, weights = load_weights(run_dir, run, mesh, train.init_weights, train.Model, step)
     weights = jax.device_get(weights)
