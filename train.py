@@ -53,8 +53,7 @@ from seqax.records import RunRecords
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
 from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, take_unreduced
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
-from seqax.shardlib.shardtypes import typechecked
-from seqax.shardlib.shardtypes import typed_shard_map, u32
+from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
 from seqax.startup_report import StartupReport, compile_step
 from seqax.validation import check_attention_blocks, validate_config
