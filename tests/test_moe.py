@@ -19,6 +19,7 @@ import reference
 import train
 from fixtures import (
     make_mesh,
+    metrics_on_meshes,
     perturbed_weights,
     put_batch,
     random_batch,
@@ -168,23 +169,9 @@ def test_training_steps_agree_on_every_mesh(default_dataset):
     on meshes 1x1, 8x1, 4x2 and 2x4 (H split 1, 2 and 4 ways): step 0's loss within 1e-5 relative of
     the 1x1 run's, steps 1 and 2 within 1e-4 (the dense model's bounds, test_optimizer); the load is
     the same. (Context parallelism routes as the others: the float32 test above, on 2x2x2.)"""
-    from seqax.data_loader import make_loader
-    from seqax.flat_tokens import open_flat_tokens
-
     cfg = tiny_config(*MOE, "training.tokens.len=64", "model.attention_block=16", f"dataset.path={default_dataset}")
-    dataset = open_flat_tokens(default_dataset)
-    runs = {}
-    for d, t, c in [(1, 1, 1), (8, 1, 1), (4, 2, 1), (2, 4, 1)]:
-        mesh = make_mesh(d, t, c)
-        loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
-        with jax.set_mesh(mesh):
-            state, runs[d, t, c] = train.init_state(cfg, mesh), []
-            for step in range(3):
-                batch = loader.batch(step)
-                state, metrics = train.training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start,
-                                                     batch.loss_mask, cfg)
-                runs[d, t, c].append((float(metrics.loss), float(metrics.expert_load)))
-        loader.close()
+    runs = {mesh: [(m["loss"], m["expert_load"]) for m in run]
+            for mesh, run in metrics_on_meshes(cfg, [(1, 1, 1), (8, 1, 1), (4, 2, 1), (2, 4, 1)], steps=3).items()}
     one = runs[1, 1, 1]
     assert one[2][0] < one[0][0] - 0.05
     for mesh_shape, run in runs.items():

@@ -11,10 +11,8 @@ import numpy as np
 import pytest
 
 import train
-from fixtures import make_mesh, tiny_config
+from fixtures import make_mesh, metrics_on_meshes, tiny_config
 from seqax import config
-from seqax.data_loader import make_loader
-from seqax.flat_tokens import open_flat_tokens
 from seqax.shardlib.shardops import global_norm
 from seqax.shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
@@ -321,19 +319,8 @@ def test_training_steps_agree_on_every_mesh(default_dataset):
     into per-element update differences of ~1e-3; 1e-4 is what a mesh may cost). The same bounds
     with context parallelism (d=2 t=2 c=2) are test_context_parallel's."""
     cfg = tiny_config("training.tokens.len=256", "model.attention_block=32", f"dataset.path={default_dataset}")
-    dataset = open_flat_tokens(default_dataset)
-    losses = {}
-    for d, t, c in [(1, 1, 1), (8, 1, 1), (4, 2, 1), (1, 8, 1)]:
-        mesh = make_mesh(d, t, c)
-        loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
-        with jax.set_mesh(mesh):
-            state, losses[d, t, c] = train.init_state(cfg, mesh), []
-            for step in range(3):
-                batch = loader.batch(step)
-                state, metrics = train.training_step(state, jnp.uint32(step), batch.targets, batch.is_seq_start,
-                                                     batch.loss_mask, cfg)
-                losses[d, t, c].append(float(metrics.loss))
-        loader.close()
+    runs = metrics_on_meshes(cfg, [(1, 1, 1), (8, 1, 1), (4, 2, 1), (1, 8, 1)], steps=3)
+    losses = {mesh: [metrics["loss"] for metrics in run] for mesh, run in runs.items()}
     one_device = losses[1, 1, 1]
     assert one_device[2] < one_device[0] - 0.05  # it learns: the updates are not negligible
     for mesh_shape, run in losses.items():
