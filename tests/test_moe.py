@@ -107,7 +107,41 @@ def problem():
     return cfg, weights, batch, reference_of(cfg, weights, batch, 0.3)
 
 
-@pytest.mark.parametrize("d,t,c", [(4, 2, 1), pytest.param(1, 1, 1, marks=pytest.mark.slow),
+def test_the_dispatch_computes_every_chosen_expert_of_every_token(monkeypatch):
+    """routed_experts alone on one device (float32), against NumPy's statement: each token's chosen
+    experts (top k of sigmoid score + bias), each one's SwiGLU, weighed by its normalized score; with
+    blocks of 4 rows, so that experts span several blocks and most blocks are padded. Fast: no model."""
+    monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
+    cfg = tiny_config("+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=8", "+model.expert_block=4",
+                      "model.d_ff=0", "model.d_model=16")
+    h, rng = cfg.model, np.random.default_rng(0)
+    B, L, M, E, H = 2, 6, h.d_model, h.experts, h.expert_d_ff
+    x = rng.standard_normal((B, L, M)).astype(np.float32)
+    w = {"router": rng.standard_normal((M, E)), "expert_bias": rng.standard_normal(E) * 0.3,
+         "expert_gate": rng.standard_normal((E, M, H)), "expert_up": rng.standard_normal((E, M, H)),
+         "expert_down": rng.standard_normal((E, H, M))}
+    w = {k: (v / np.sqrt(v.shape[-2]) if v.ndim > 1 else v).astype(np.float32) for k, v in w.items()}
+    empty = {k: np.zeros((0,), np.float32) for k in ("attn_norm", "w_q", "w_k", "w_v", "w_o", "ffn_norm", "w_gate",
+                                                       "w_up", "w_down")}
+    layer = train.Layer(**empty, **w)
+    mesh = make_mesh(1, 1)
+    run = jax.shard_map(lambda x, w: train.routed_experts(h, x, x, w)[0], mesh=mesh,
+                        in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec())
+    got = np.asarray(jax.jit(run)(x, layer))
+    scores = 1 / (1 + np.exp(-(x @ w["router"])))
+    want = np.zeros_like(x)
+    for b in range(B):
+        for i in range(L):
+            chosen = np.argsort(-(scores[b, i] + w["expert_bias"]), kind="stable")[: h.experts_per_token]
+            for e in chosen:
+                g, u = x[b, i] @ w["expert_gate"][e], x[b, i] @ w["expert_up"][e]
+                gate = scores[b, i, e] / scores[b, i, chosen].sum()
+                want[b, i] += gate * ((g / (1 + np.exp(-g)) * u) @ w["expert_down"][e])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d,t,c", [pytest.param(4, 2, 1, marks=pytest.mark.slow),
+                                   pytest.param(1, 1, 1, marks=pytest.mark.slow),
                                    pytest.param(8, 1, 1, marks=pytest.mark.slow),
                                    pytest.param(2, 2, 2, marks=pytest.mark.slow)])
 def test_float32_loss_loads_balance_and_gradients_equal_every_expert_on_every_token(problem, d, t, c):
