@@ -24,9 +24,11 @@ def save_in_forward_rule(x):
     return _bits_saved(x)
 
 
-# A value saved inside the layers' scan is written into a [layers, ...] stack, one layer at a
-# time: a bfloat16 value is saved as its bits (shardlib/bits.py), so that XLA:CPU does not widen
-# the whole stack to float32 for every layer's write. The gradient passes through unchanged.
+# A value saved inside a lax.scan is written into a stack, one iteration at a time: a bfloat16
+# value is saved as its bits (shardlib/bits.py), so that XLA:CPU does not widen the whole stack
+# to float32 for every write (the layers ran as a scan until they became a Python loop; a
+# bitcast costs nothing, so the bits stay).
+# The gradient passes through unchanged.
 
 
 def _bits_saved(x):

@@ -78,7 +78,7 @@ def annotated(annotation: ArrayType, sizes: dict[str, int], mesh) -> jax.ShapeDt
 
 def stacked_layers(weights) -> tuple[str, typing.Any]:
     """(field name, stacked weights) of the weights' field annotated Array[b'layers', ...]: the
-    layers that the step's scan runs one at a time."""
+    layers that the step runs one at a time."""
     for f in dataclasses.fields(weights):
         if isinstance(f.type, Stacked) and [d.name for d in f.type.dims] == ["layers"]:
             return f.name, getattr(weights, f.name)
@@ -98,7 +98,7 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     """For the memory report, per device: what one transformer layer keeps for its backward pass
     (print_saved_residuals lines: its input x, its weights and every value marked with
     save_for_backward, or save_in_forward_rule inside attention's custom VJP), what its ring
-    attention has in flight, and the logits. `layer` is the layer as the step's scan runs it
+    attention has in flight, and the logits. `layer` is the layer as the step runs it
     (train.training_layer with the model config bound): every argument's shape and sharding come
     from its annotation, the weights' from `state` (arrays or ShapeDtypeStructs); the logits' from
     the first of `forward`'s return annotations (train.forward: logits, routing)."""
@@ -163,7 +163,7 @@ def residual_size(line: str) -> tuple[str, int]:
 
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
     """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
-    save_for_backward (or save_in_forward_rule) and the layer's input (the scan keeps it per layer).
+    save_for_backward (or save_in_forward_rule) and the layer's input (kept per layer for its recomputation).
     Its weights are left out: they are slices of the stacked weights, counted once; so are empty
     values (the experts of a dense model)."""
     kept = []
