@@ -301,7 +301,9 @@ def take_unreduced(spec: str, values, indices):
     dimension of `values`, whose other dimensions are the indices' own ('B/d L V/t, B/d L -> B/d L'
     picks each position's target logit). When that last dimension is sharded, each device
     answers only for its own entries and gives zeros elsewhere: the sum over the sharding axes
-    (the caller's psum) is the full lookup."""
+    (the caller's psum) is the full lookup. Written as a sum over a one-hot mask, not a gather: its
+    gradient is then a select that fuses with its neighbours, where a gather's is a scatter into
+    a zeroed copy of `values` (the logits: two extra passes over [B, L, V] on an H200)."""
     op = "take_unreduced"
     inputs, output = _parse(spec, op)
     if len(inputs) != 2:
@@ -314,11 +316,10 @@ def take_unreduced(spec: str, values, indices):
     _check_ndim(op, spec, value_dims, values, "values")
     _check_ndim(op, spec, index_dims, indices, "indices")
     axes = value_dims[-1].axes
-    if not axes:
-        return jnp.take_along_axis(values, indices.astype(jnp.int32)[..., None], axis=-1)[..., 0]
-    local, inside = _local_indices(axes, values.shape[-1], indices)
-    return jnp.where(inside, jnp.take_along_axis(values, local[..., None], axis=-1)[..., 0],
-                     jnp.zeros((), values.dtype))
+    size = values.shape[-1]
+    offset = lax.axis_index(axes if len(axes) > 1 else axes[0]) * size if axes else 0
+    hit = jnp.arange(size, dtype=jnp.int32) == (indices.astype(jnp.int32) - offset)[..., None]
+    return jnp.sum(jnp.where(hit, values, jnp.zeros((), values.dtype)), axis=-1)
 
 
 def _local_indices(axes: tuple[str, ...], size: int, indices):
