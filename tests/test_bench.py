@@ -271,11 +271,14 @@ DEVICE_MEMORY = {"gpu": 139 * 2**30, "tpu": 32e9}
 
 
 @pytest.mark.parametrize("name", LADDER)
-def test_ladder_config_fits_its_accelerator_with_room_to_spare(name):
+def test_ladder_config_fits_its_accelerator(name):
     """memory.py's estimate per device (what the code's annotations say it holds, from shapes
-    alone) is within 2/3 of the device's memory: the rest is for XLA's temporaries and headroom.
-    A model edit that keeps the sizes keeps this true; one that grows them past it fails here."""
+    alone, with Muon's buffers added to the activations' peak although they exist only after it:
+    an upper bound) is within 90% of the device's memory, the bound the ladder's batches are
+    chosen under by the device's own compiler (README; gpu1_1b's estimate 120 GiB where its
+    compiler plans 111). A model edit that keeps the sizes keeps this true; one that grows them
+    past it fails here."""
     cfg = config.load_config(name, ["+paths.model_name=memory"])
     terms, *_ = memory.accelerator_estimate(cfg, memory.config_mesh(cfg))
     estimate = sum(size for _, size in terms)
-    assert estimate <= 2 / 3 * DEVICE_MEMORY[name[:3]], (name, estimate / 2**30)
+    assert estimate <= 0.9 * DEVICE_MEMORY[name[:3]], (name, estimate / 2**30)
