@@ -199,18 +199,31 @@ def test_model_flops_count_the_active_experts_only():
 
 @pytest.mark.slow
 def test_training_steps_agree_on_every_mesh(default_dataset):
-    """The tiny MoE model (bf16, Muon on every expert) on rows of the synthetic dataset, steps 0-2
-    on meshes 1x1, 8x1, 4x2 and 2x4 (H split 1, 2 and 4 ways): step 0's loss within 1e-5 relative of
-    the 1x1 run's, steps 1 and 2 within 1e-4 (the dense model's bounds, test_optimizer); the load is
-    the same. (Context parallelism routes as the others: the float32 test above, on 2x2x2.)"""
+    """The tiny MoE model (Muon on every expert) on rows of the synthetic dataset, steps 0-2 on meshes
+    1x1, 8x1, 4x2 and 2x4 (H split 1, 2 and 4 ways). With float32 matmuls every step's loss is within
+    1e-6 relative of the 1x1 run's, with the same load: the dispatch does not depend on how tokens
+    are grouped per device (measured at most 8.2e-8). In bf16, step 0's loss within 1e-5 with the
+    same load, steps 1 and 2 within 5e-4: step 0's update rounds the gradient, whose float32 sums
+    differ between meshes in their last bits, to bf16 for Newton-Schulz; the few elements rounded
+    the other way move some routing near-ties, which moves the loss by about 1e-4 (measured 1.1e-4
+    with batch 8 and 1.2e-4 with 32; the layer scan before this code 8.0e-5 and 2.1e-4). The dense
+    model's bound is 1e-4 (test_optimizer). (Context parallelism: the float32 test above, on 2x2x2.)"""
+    meshes = [(1, 1, 1), (8, 1, 1), (4, 2, 1), (2, 4, 1)]
     cfg = tiny_config(*MOE, "training.tokens.len=64", "model.attention_block=16", f"dataset.path={default_dataset}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "MATMUL_DTYPE", jnp.float32)
+        exact = {mesh: [(m["loss"], m["expert_load"]) for m in run]
+                 for mesh, run in metrics_on_meshes(cfg, meshes, steps=3).items()}
+    for mesh_shape, run in exact.items():
+        for a, b in zip(run, exact[1, 1, 1]):
+            assert abs(a[0] / b[0] - 1) <= 1e-6 and a[1] == b[1], (mesh_shape, run, exact[1, 1, 1])
     runs = {mesh: [(m["loss"], m["expert_load"]) for m in run]
-            for mesh, run in metrics_on_meshes(cfg, [(1, 1, 1), (8, 1, 1), (4, 2, 1), (2, 4, 1)], steps=3).items()}
+            for mesh, run in metrics_on_meshes(cfg, meshes, steps=3).items()}
     one = runs[1, 1, 1]
     assert one[2][0] < one[0][0] - 0.05
     for mesh_shape, run in runs.items():
         assert abs(run[0][0] / one[0][0] - 1) <= 1e-5, (mesh_shape, run, one)
-        assert all(abs(a[0] / b[0] - 1) <= 1e-4 for a, b in zip(run[1:], one[1:])), (mesh_shape, run, one)
+        assert all(abs(a[0] / b[0] - 1) <= 5e-4 for a, b in zip(run[1:], one[1:])), (mesh_shape, run, one)
         assert run[0][1] == one[0][1], (mesh_shape, run, one)
 
 
