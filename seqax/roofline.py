@@ -88,10 +88,10 @@ def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
     else the kernel's elements per output feature."""
     out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
     if inst.opcode == "convolution":
-        spec = re.search(r"/(\w+),(\w+)->(\w+)/dot_general", inst.op_name)
         lhs, rhs = (hlo.arrays(shape)[0][1] for shape in operand_shapes[:2])
+        spec = einsum_of(inst.op_name, len(lhs))
         if spec:
-            left, right, result = spec.groups()
+            left, right, result = spec
             contracted = set(left) & set(right) - set(result)
             if len(left) == len(lhs):  # the operand kept the einsum's dimensions
                 sizes = dict(zip(left, lhs))
@@ -108,6 +108,20 @@ def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
         dims = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
     lhs = hlo.arrays(operand_shapes[0])[0][1]
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
+
+
+def einsum_of(op_name: str, lhs_rank: int) -> tuple[str, str, str] | None:
+    """The einsum a dot_general came from, as (left, right, result) letters, from JAX's op_name: the
+    spec is its last name before '/dot_general', written 'jit(f)/abc,cd->abd/dot_general', or inside
+    a transformation's brackets when nothing follows it there, 'jvp(abc,cd->abd)/dot_general'. An
+    ellipsis ('...ij,...jk->...ik', batched Newton-Schulz) becomes one letter per dimension it stands
+    for in the left operand, shared by all three."""
+    found = re.search(r"(?:^|[/(])([\w.]+),([\w.]+)->([\w.]+)\)*/dot_general", op_name)
+    if not found:
+        return None
+    left, right, result = found.groups()
+    batch = "".join(chr(0x3B1 + i) for i in range(max(lhs_rank - len(left.replace("...", "")), 0)))
+    return left.replace("...", batch), right.replace("...", batch), result.replace("...", batch)
 
 
 def _element_count(shape: str) -> int:

@@ -219,3 +219,31 @@ def test_a_matmul_the_tpu_compiler_wrote_as_a_convolution_counts_the_einsum_it_c
 }""")
     [kernel] = step(text).kernels
     assert kernel.kind == "matmul" and kernel.flops == 2 * 8 * 64 * 32 * 128
+
+
+@pytest.mark.parametrize("name", ["jit(f)/jvp(abc,cdef->abdef)/dot_general",
+                                  "jit(f)/transpose(jvp(abc,cdef->abdef))/dot_general"])
+def test_the_einsum_is_found_inside_a_transformations_brackets(name):
+    """Outside a loop JAX names a differentiated einsum 'jvp(abc,cdef->abdef)'. The query projection
+    as the v6e compiler wrote it (shapes cut down): [2, 16, 64] x [64, 4, 4, 8] with windows over
+    the head dimensions, 2 x 2 x 16 x 4 x 4 x 8 x 64 FLOPs; the convolution's own kernel shape,
+    taken when the einsum was not found, gave 16x that."""
+    text = module(entry=f"""ENTRY %main (a: bf16[2,16,64,1,1], b: bf16[64,4,4,8,1]) -> f32[2,16,4,4,8] {{
+  %a = bf16[2,16,64,1,1]{{4,3,2,1,0}} parameter(0)
+  %b = bf16[64,4,4,8,1]{{4,3,2,1,0}} parameter(1)
+  ROOT %convolution.1 = f32[2,16,4,4,8]{{4,3,2,1,0}} convolution(%a, %b), window={{size=1x4x4 pad=0_0x3_3x3_3 rhs_reversal=0x1x1}}, dim_labels=0bf21_i21o0->0b21f, metadata={{op_name="{name}"}}
+}}""")
+    [kernel] = step(text).kernels
+    assert kernel.kind == "matmul" and kernel.flops == 2 * 2 * 16 * 4 * 4 * 8 * 64
+
+
+def test_an_einsum_with_an_ellipsis_counts_its_batch_once():
+    """'...ij,...jk->...ik' (Newton-Schulz over a stack of 6 matrices, [6, 64, 128] x [6, 128, 32]):
+    2 x 6 x 64 x 32 x 128, the stack a batch dimension and not a contracted one."""
+    text = module(entry="""ENTRY %main (a: bf16[6,64,128], b: bf16[6,128,32]) -> f32[6,64,32] {
+  %a = bf16[6,64,128]{2,1,0} parameter(0)
+  %b = bf16[6,128,32]{2,1,0} parameter(1)
+  ROOT %convolution.1 = f32[6,64,32]{2,1,0} convolution(%a, %b), window={size=6x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf_0io->0bf, metadata={op_name="jit(f)/cond/branch_1_fun/...ij,...jk->...ik/dot_general"}
+}""")
+    [kernel] = step(text).kernels
+    assert kernel.kind == "matmul" and kernel.flops == 2 * 6 * 64 * 32 * 128
