@@ -71,7 +71,10 @@ def to_dot(text: str, title: str = "training step") -> str:
         for inst in computation.instructions:
             if inst.opcode == "while" and inst.calls and inst.calls[0] in computations:
                 shown.append((computations[inst.calls[0]], inst.trip_count))
-    lines = [f'digraph "{title}" {{', "  rankdir=TB;",
+    # Layout effort capped (crossing minimization and network simplex passes): with the layers unrolled
+    # the step's graph has thousands of nodes, and dot's default effort took 83 s on local_test_synthetic
+    # where these limits take 4 s, with more crossed edges.
+    lines = [f'digraph "{title}" {{', "  rankdir=TB; mclimit=0.1; nslimit=1; nslimit1=1;",
              '  node [shape=box, style=filled, fontname="Helvetica", fontsize=10];',
              f'  label="{title}: optimized HLO (blue: matmuls, orange: collectives, dashed boxes: loop bodies)"; '
              'labelloc=t;']

@@ -186,9 +186,9 @@ def child_env(devices: int | None = 8, cache=None, graph: bool = True) -> dict:
 
     graph=False leaves graphviz's `dot` off the PATH (every folder that holds one is dropped), for
     a test that reads neither training_step.svg nor the warning line this gives on stderr: a run
-    then writes training_step.dot but does not draw it. Drawing it takes `dot` about 15 s of CPU
-    for TINY's step on 2 cores, which the run shares and waits for at its end (startup_report.StartupReport,
-    up to 30 s; local_test_synthetic's step takes longer than that)."""
+    then writes training_step.dot but does not draw it. Drawing it takes `dot` a few seconds of CPU
+    (hlo_graph caps its layout effort: 4 s for local_test_synthetic's step), which the run shares
+    and waits for at its end (startup_report.StartupReport, up to 30 s)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

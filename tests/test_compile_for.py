@@ -39,8 +39,12 @@ def eight_devices(tmp_path_factory):
 
 
 def test_the_step_fits_each_device_and_its_compiler_says_how(eight_devices):
+    """... and memory.py's estimate, which models what an accelerator holds, is within 30% of each
+    target compiler's plan (2026-12-04: 0.81 of the H200's, 1.24 of the v6e's). XLA:CPU plans more
+    than either for the unrolled layers (0.65), so this is where the estimate is checked."""
     for row in eight_devices.values():
         assert 0 < row["memory_gib"] < 0.9 * row["device_memory_gib"], row
+        assert 0.7 <= row["estimate_gib"] / row["memory_gib"] <= 1.3, row
         assert row["estimate_gib"] > 0 and row["compile_seconds"] > 0
         assert 0 < row["mfu_ceiling"] < 1 and row["step_seconds"] > 0
         # where the time goes: all of it
