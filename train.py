@@ -47,12 +47,13 @@ from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict, 
 from seqax.data_loader import make_loader, zigzag_chunks
 from seqax.evaluation import Evaluation
 from seqax.flat_tokens import open_flat_tokens
+from seqax.grouped_swiglu import grouped_swiglu
 from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from seqax.memory import check_step_fits
 from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
 from seqax.records import RunRecords
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
-from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, take_unreduced
+from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, ragged_all_to_all, take_unreduced
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
 from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
@@ -84,9 +85,9 @@ class Layer:
     # The mixture of experts (model.experts = E > 0; with 0 these are empty and the model is dense).
     router: f32[b"M E"]
     expert_bias: f32[b"E"]  # added to the router's scores to pick experts, not to weigh them: load balance
-    expert_gate: f32[b"E M/d/c H/t"]
-    expert_up: f32[b"E M/d/c H/t"]
-    expert_down: f32[b"E H/t M/d/c"]
+    expert_gate: f32[b"E/d M/c H/t"]  # expert parallelism: E / d experts a device (routed_experts)
+    expert_up: f32[b"E/d M/c H/t"]
+    expert_down: f32[b"E/d H/t M/c"]
 
 
 @pytree_dataclass
@@ -222,39 +223,54 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     gates: the sigmoids of its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3,
     Liu et al. 2024: the bias balances the load by changing who is picked, never a gate's value).
 
-    Dropless, and the same on every mesh: every (token, choice) row is computed, wherever the token is.
-    The rows go in blocks of expert_block rows, each block of one expert (an expert's rows padded to
-    whole blocks), and each block is one matmul with its expert's weights: a batched matmul over
-    blocks, enough blocks for any load. The experts' weights are gathered FSDP-style over d and c, like
-    every weight; H splits over t (Megatron-style, as F): tokens never leave their device."""
+    Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (stored FSDP-style
+    like every weight, gathered over c and moved to their device a layer at a time), and each row goes
+    to its expert's device and back, a ragged all-to-all each way. Dropless, and the same on every
+    mesh: every (token, choice) row is computed, whichever device it lands on, by the same matmuls.
+    There the rows of each expert are listed in blocks of expert_block rows (padded to whole blocks),
+    and grouped_swiglu runs each expert's SwiGLU over its blocks only: a loop whose length is the
+    load. Buffers are sized for the worst load (every row of the d devices to one device), the work
+    for the real one. H splits over t (Megatron-style, as F): the t devices of a group send the same
+    rows and each computes its slice of H."""
     B, L, M = nx.shape
     E, k, b = h.experts, h.experts_per_token, h.expert_block
     scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", normed, w.router))  # float32 [B, L, E]
     _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, k)  # [B, L, k]; a tie goes to the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    # Dispatch: row r = (token r // k, its choice r % k) goes to `slot`, in its expert's blocks.
+    # Dispatch. The E experts are split over d, E / d a device: this device's rows (row r is token r // k's
+    # choice r % k) go in expert order to their experts' devices, which compute them and send them back.
+    d, here = lax.axis_size("d"), E // lax.axis_size("d")
     expert = chosen.reshape(-1)
-    one_hot = expert[:, None] == jnp.arange(E)  # [B L k, E]
+    R = expert.size
+    one_hot = expert[:, None] == jnp.arange(E)  # [R, E]
     rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
     load = jnp.sum(one_hot, axis=0, dtype=jnp.int32)  # rows of each expert
-    blocks = -(-load // b)
-    blocks_end = jnp.cumsum(blocks)
-    slot = (blocks_end - blocks)[expert] * b + rank  # distinct for every row
-    n = (expert.size + E * (b - 1)) // b  # at least the sum of ceil(load / b), whatever the load
-    # A block past the last expert's holds no row (zeros) and borrows the last expert's weights.
-    block_expert = jnp.minimum(jnp.sum(jnp.arange(n)[:, None] >= blocks_end, axis=1), E - 1)
-    token = jnp.full(n * b, B * L, jnp.int32).at[slot].set(jnp.arange(expert.size, dtype=jnp.int32) // k)
-    rows = jnp.concatenate([nx.reshape(B * L, M), jnp.zeros((1, M), nx.dtype)])[token].reshape(n, b, M)
-    gate_w = all_gather_cast("E M/d/c H/t -> E M H/t", w.expert_gate, MATMUL_DTYPE)[block_expert]
-    up_w = all_gather_cast("E M/d/c H/t -> E M H/t", w.expert_up, MATMUL_DTYPE)[block_expert]
-    gate = save_for_backward(einsum_unreduced("n R M, n M H/t -> n R H/t", rows, gate_w).astype(MATMUL_DTYPE))
-    up = save_for_backward(einsum_unreduced("n R M, n M H/t -> n R H/t", rows, up_w).astype(MATMUL_DTYPE))
-    gate_f32 = gate.astype(jnp.float32)
-    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(MATMUL_DTYPE)
-    down_w = all_gather_cast("E H/t M/d/c -> E H/t M", w.expert_down, MATMUL_DTYPE)[block_expert]
-    out = einsum_unreduced("n R H/t, n H/t M -> n R M", hidden, down_w)  # partial sums over t
-    out = jnp.einsum("blkm,blk->blm", out.reshape(n * b, M)[slot].reshape(B, L, k, M), gates)  # combine
+    position = (jnp.cumsum(load) - load)[expert] + rank  # each row's place in expert order
+    in_order = jnp.zeros(R, jnp.int32).at[position].set(jnp.arange(R, dtype=jnp.int32))
+    sizes = jnp.sum(load.reshape(d, here), axis=1)  # rows for each device of d
+    received = ragged_all_to_all("R M -> d R M", nx.reshape(B * L, M)[in_order // k], sizes)  # slot s: device s's
+    # Here, slot s holds first sent[s, 0] rows of this device's first expert, then sent[s, 1] of its second...
+    sent = all_to_all("S/d E -> S E/d", load[None])  # [d, here]: rows each device sent to each expert here
+    i, ends_in_slot = jnp.arange(R), jnp.cumsum(sent, axis=1)
+    local = jnp.minimum(jnp.sum(i[:, None] >= ends_in_slot[:, None], axis=2), here - 1)  # [d, R]: each row's expert
+    # A row's place among its expert's rows: those from the devices before its sender's, then its own.
+    rank = (jnp.cumsum(sent, axis=0) - ends_in_slot)[jnp.arange(d)[:, None], local] + i
+    # The rows of each expert here listed in blocks of b, padded to whole blocks: enough blocks for any load.
+    blocks = -(-jnp.sum(sent, axis=0) // b)
+    ends = jnp.cumsum(blocks)
+    n = (d * R + here * (b - 1)) // b
+    slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + rank, n * b)  # [d, R]
+    rows = jnp.full(n * b, d * R, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * R), mode="drop").reshape(n, b)
+    expected = -(-R // max(here * b, 1))  # blocks an expert holds at a perfect balance (for the roofline only)
+    # The experts here, whole: gathered over c (FSDP) and cast.
+    gate_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_gate, MATMUL_DTYPE)
+    up_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_up, MATMUL_DTYPE)
+    down_w = all_gather_cast("E/d H/t M/c -> E/d H/t M", w.expert_down, MATMUL_DTYPE)
+    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math.
+    out = grouped_swiglu(received.reshape(d * R, M), rows, gate_w, up_w, down_w, ends, expected)  # partial over t
+    out = ragged_all_to_all("d R M -> R M", out.reshape(d, R, M), sizes)[position]  # back here, in row order
+    out = jnp.einsum("blkm,blk->blm", out.reshape(B, L, k, M), gates)  # combine
     # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / k x the
     # fraction of the row's choices that picked expert i (whole rows: a sum over c), P_i = expert i's mean
     # score, normalized over experts. Linear in P: each device adds its positions' share. Mean over rows.
@@ -428,9 +444,9 @@ MUON = {
     "w_gate": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
     "w_up": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
     "w_down": ("layers F/t M/d/c -> layers/d/c/t F M", (1, 1)),
-    "expert_gate": ("layers E M/d/c H/t -> layers/d/c/t E M H", (1, 1)),  # E matrices [M, H] a layer
-    "expert_up": ("layers E M/d/c H/t -> layers/d/c/t E M H", (1, 1)),
-    "expert_down": ("layers E H/t M/d/c -> layers/d/c/t E H M", (1, 1)),
+    "expert_gate": ("layers E/d M/c H/t -> layers/d/c/t E M H", (1, 1)),  # E matrices [M, H] a layer
+    "expert_up": ("layers E/d M/c H/t -> layers/d/c/t E M H", (1, 1)),
+    "expert_down": ("layers E/d H/t M/c -> layers/d/c/t E H M", (1, 1)),
 }
 NEWTON_SCHULZ_STEPS = 5
 

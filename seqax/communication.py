@@ -7,7 +7,10 @@ by hand, as a cross-check).
 Bytes one device sends per collective over a group of g devices (ring algorithms, which NCCL,
 ICI and gloo use for large messages): all-gather and reduce-scatter (g-1)/g of the gathered
 (or scattered) full array, all-reduce twice that, all-to-all (g-1)/g of its operand (it keeps
-one block of g), a permute its whole operand. A collective over a group of one device sends
+one block of g), a permute its whole operand. A ragged all-to-all (a mixture of experts' rows) sends
+only the rows its sizes say, which the program does not show: it is counted as (g-1)/g of the
+smaller of its operand and its output buffer, what it sends when the rows spread evenly over the
+group (the buffers are sized for the worst load). A collective over a group of one device sends
 nothing. The figures are per step and per device.
 """
 
@@ -17,7 +20,7 @@ import re
 
 from seqax import hardware, hlo
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 # How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their
 # uint16 bits (XLA:CPU would widen a bfloat16 collective to float32).
 SHOWN_DTYPE = {"u16": "bf16 (as u16 bits)"}
@@ -64,6 +67,8 @@ def collective_shape(inst: hlo.Instruction, operand_shapes: list[str]) -> str:
     kind = inst.opcode.removesuffix("-start")
     if kind == "collective-permute":
         return "(" + ", ".join(operand_shapes) + ")"
+    if kind == "ragged-all-to-all":  # the rows (operand) and the buffer they land in (output): a balanced load's
+        return min(operand_shapes[:2], key=hlo.shape_bytes)
     elements = hlo.tuple_elements(inst.shape)
     if inst.opcode.endswith("-start") and kind != "all-reduce" and len(elements) > 1:
         elements = elements[len(elements) // 2 :]

@@ -78,7 +78,7 @@ class ModelConfig:
     experts: int = 0  # E
     experts_per_token: int = 0  # top-k; at least 1 and at most `experts` when there are experts
     expert_d_ff: int = 0  # H
-    expert_block: int = 64  # rows per block of the experts' grouped matmul (speed and memory, not the math)
+    expert_block: int = 64  # rows per block of the experts' grouped SwiGLU (speed, not the math)
 
 
 ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.training_attention's

@@ -6,7 +6,7 @@ the loops around it say (a while loop's trip count; a conditional's costlier bra
 device's). A compute kernel takes max(FLOPs / rate, bytes / memory bandwidth) plus a fixed launch
 cost: matmul FLOPs (dots, from their shapes) at the device's matmul rate, every other arithmetic
 operation one FLOP per element at its vector rate; bytes are what the kernel must read and write
-(a dynamic slice reads its slice, an in-place update writes its update, not the whole buffer).
+(a dynamic slice reads its slice, an in-place update or scatter writes its update, not the whole buffer).
 A kernel whose inside XLA cannot see (a Pallas call) costs the matmul FLOPs it states
 (stated_flops) and its operands' and results' bytes. A collective moves what communication.py
 says one device sends, at the bandwidth of the link its group spans (within a host, or across
@@ -27,7 +27,7 @@ import re
 from seqax import hlo
 from seqax.communication import collective_shape, sent_bytes
 
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 # Instructions that move no data of their own: views, tuples, control, the end of an async op.
 PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
             "replica-id", "opt-barrier", "add-dependency", "iota"}
@@ -141,8 +141,9 @@ class _Program:
     def fusion_cost(self, computation: str, inst: hlo.Instruction) -> tuple[float, float, float]:
         """(matmul FLOPs, other FLOPs, bytes) of a fusion: its body's dots and arithmetic; what it
         reads of each operand (a parameter that only dynamic-slices or slices read costs its slices,
-        one that is only updated in place costs nothing) and what it writes (an in-place update its
-        update)."""
+        one that is only updated in place costs nothing) and what it writes (an in-place update or
+        scatter its update: XLA scatters into the operand's buffer, copying it first in a kernel of
+        its own if it must)."""
         body = self.module.computations[inst.calls[0]]
         by_name = {i.name: i for i in body.instructions}
         users: dict[str, list[hlo.Instruction]] = {}
@@ -157,7 +158,7 @@ class _Program:
                     total += read_of(user.name, whole)
                 elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
                     total += hlo.shape_bytes(user.shape)
-                elif user.opcode == "dynamic-update-slice" and user.operands[0] == name:
+                elif user.opcode in ("dynamic-update-slice", "scatter") and user.operands[0] == name:
                     continue  # updated in place: the buffer is the output's
                 else:
                     return whole
@@ -172,8 +173,9 @@ class _Program:
         for out in roots:
             while out.opcode in ("bitcast", "reshape") and out.operands and out.operands[0] in by_name:
                 out = by_name[out.operands[0]]
-            if out.opcode == "dynamic-update-slice":
-                written += hlo.shape_bytes(by_name[out.operands[1]].shape) if out.operands[1] in by_name else 0
+            if out.opcode in ("dynamic-update-slice", "scatter"):  # its update (a scatter's: its last operand)
+                update = out.operands[1] if out.opcode == "dynamic-update-slice" else out.operands[-1]
+                written += hlo.shape_bytes(by_name[update].shape) if update in by_name else 0
             else:
                 written += hlo.shape_bytes(out.shape)
         matmul = other = 0.0
@@ -204,10 +206,11 @@ def _collective(inst: hlo.Instruction, operand_shapes: list[str]) -> tuple[float
 def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
     """Every kernel of the module's program with how often it runs and its time per run.
 
-    A while loop of unknown trip count (blockwise attention's loop over key blocks, whose length
-    depends on the documents) runs (n + 1) / 2 times per run of an enclosing loop of n iterations:
-    the causal triangle of one document a row, which is also what the MFU's FLOPs count; outside
-    any counted loop, once."""
+    A while loop of unknown trip count runs the trips its op_name expects when it names them
+    (`expected_trips=N`: grouped_swiglu's loop over an expert's blocks, N blocks at a balanced load);
+    else (blockwise attention's loop over key blocks, whose length depends on the documents)
+    (n + 1) / 2 times per run of an enclosing loop of n iterations: the causal triangle of one
+    document a row, which is also what the MFU's FLOPs count; outside any counted loop, once."""
     program = _Program(module)
     found: list[Kernel] = []
 
@@ -237,6 +240,9 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                 continue
             if op == "while":
                 known = hlo.loop_trips(inst, computation, module.computations)
+                if known is None:  # a loop of data-dependent length may name the trips expected of it
+                    hint = re.search(r"expected_trips=(\d+)", inst.op_name)
+                    known = int(hint.group(1)) if hint else None
                 trips = known if known is not None else (outer_trips + 1) / 2
                 visit(inst.calls[0], runs * trips, known or 1, out)
             elif op == "conditional":

@@ -49,6 +49,9 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")
     check_experts(m)
+    if m.experts % d:
+        raise ConfigError(f"model.experts={m.experts} is not divisible by mesh.d={d}: the experts are split over d "
+                          "(expert parallelism); make experts a multiple of mesh.d, or change the mesh")
     misfit = mesh_misfit(m, weights, d, t, c)
     if misfit:
         raise ConfigError(f"{misfit}; make it a multiple of the mesh axis, or change the mesh")

@@ -247,3 +247,55 @@ def test_an_einsum_with_an_ellipsis_counts_its_batch_once():
 }""")
     [kernel] = step(text).kernels
     assert kernel.kind == "matmul" and kernel.flops == 2 * 6 * 64 * 32 * 128
+
+
+def test_a_scatter_in_a_loop_moves_its_rows_not_the_buffer():
+    """A scatter of 2 rows into a 64-row buffer (grouped_swiglu's output, a block's rows at a time)
+    reads its rows and their indices and writes the rows: XLA scatters into the buffer in place."""
+    text = IN_PLACE_LOOP.replace("""  %double = f32[256]{0} add(%param_2, %param_2)
+  %bitcast.1 = f32[1,256]{1,0} bitcast(%double)
+  %zero = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[4,256]{1,0} dynamic-update-slice(%param_0, %bitcast.1, %param_1, %zero)""",
+                                 """  %rows = f32[2,128]{1,0} bitcast(%param_2)
+  %at = s32[2,1]{1,0} broadcast(%param_1), dimensions={}
+  %bits = f32[4,256]{1,0} bitcast(%param_0)
+  %buffer = f32[8,128]{1,0} bitcast(%bits)
+  %scatter.1 = f32[8,128]{1,0} scatter(%buffer, %at, %rows), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%take_update
+  ROOT %bitcast.2 = f32[4,256]{1,0} bitcast(%scatter.1)""")
+    text = text.replace("%fused_update (", """%take_update (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  ROOT %b = f32[] parameter(1)
+}
+
+%fused_update (""", 1)
+    [kernel] = [k for k in step(text).kernels if k.kind != "collective"]
+    assert (kernel.runs, kernel.bytes) == (4, 1024 + 4 + 1024)
+
+
+def test_a_loop_of_data_dependent_length_runs_the_trips_its_name_expects():
+    """A loop the compiler cannot count (its bound is data) runs the trips named in its op_name
+    (grouped_swiglu's `expected_trips=N`), not once."""
+    text = IN_PLACE_LOOP.replace(', backend_config={"known_trip_count":{"n":"4"}}',
+                                 ', metadata={op_name="jit(step)/jvp(expected_trips=7)/while"}')
+    [kernel] = step(text).kernels
+    assert kernel.runs == 7
+    assert step(text.replace("expected_trips=7", "no_hint")).kernels[0].runs == 1
+
+
+def test_a_ragged_all_to_all_sends_a_balanced_share_of_its_smaller_buffer():
+    """Rows sent to 4 devices (operand 1000 rows, landing in a buffer of 4000: sized for the worst
+    load) cost 3/4 of the operand; the way back (4000 rows into 1000) 3/4 of the 1000 rows too."""
+    offsets = "s64[4]{0} parameter(1)"
+    text = module(entry=f"""ENTRY %main (x: f32[1000,4], o: s64[4]) -> f32[1000,4] {{
+  %x = f32[1000,4]{{1,0}} parameter(0)
+  %o = {offsets}
+  %buffer = f32[4000,4]{{1,0}} broadcast(f32[] constant(0)), dimensions={{}}
+  %ragged-all-to-all-start.1 = ((f32[1000,4]{{1,0}}, f32[4000,4]{{1,0}}, s64[4]{{0}}, s64[4]{{0}}, s64[4]{{0}}, s64[4]{{0}}), f32[4000,4]{{1,0}}) ragged-all-to-all-start(%x, %buffer, %o, %o, %o, %o), channel_id=1, replica_groups={{{{0,1,2,3}}}}
+  %ragged-all-to-all-done.1 = f32[4000,4]{{1,0}} ragged-all-to-all-done(%ragged-all-to-all-start.1)
+  %ragged-all-to-all.2 = f32[1000,4]{{1,0}} ragged-all-to-all(%ragged-all-to-all-done.1, %x, %o, %o, %o, %o), channel_id=2, replica_groups={{{{0,1,2,3}}}}
+  ROOT %r = f32[1000,4]{{1,0}} add(%ragged-all-to-all.2, %x)
+}}""")
+    by_name = {k.name: k for k in step(text).kernels}
+    there, back = by_name["ragged-all-to-all-start.1"], by_name["ragged-all-to-all.2"]
+    assert there.asynchronous and not back.asynchronous
+    assert there.bytes == back.bytes == 0.75 * 16000

@@ -468,3 +468,63 @@ def test_global_norm_sums_each_shard_once(mesh):
 
     got = float(jax.jit(norm)(a, b, c))
     assert got == pytest.approx(np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in (a, b, c))), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_all_to_all_sends_each_device_its_rows_and_brings_them_back(dtype):
+    """On d=4 t=2, each device's rows, sorted by destination and a different number to each (some
+    none, one device keeping a row unsent), land in the destination's slot for their sender, in
+    order, zeros after; 'd R M -> R M' returns each slot where its rows came from; the gradient of
+    either is the other applied to the cotangent."""
+    d, R, M = 4, 6, 3
+    sizes = np.array([[1, 2, 3, 0], [0, 0, 6, 0], [2, 2, 1, 1], [3, 0, 0, 2]], np.int32)  # [sender, destination]
+    x, c = rand(d * R, M), rand(d * d * R, M)
+
+    @typed_shard_map
+    def exchange(x: f32[b"R/d M"], sizes: i32[b"D/d"], c: f32[b"S/d M"]) -> tuple[
+            f32[b"S/d M"], f32[b"R/d M"], f32[b"R/d M"]]:
+        slots = shardops.ragged_all_to_all("R M -> d R M", x.astype(dtype), sizes)
+        back = shardops.ragged_all_to_all("d R M -> R M", slots, sizes)
+
+        def loss(x):
+            moved = shardops.ragged_all_to_all("R M -> d R M", x.astype(dtype), sizes)
+            return lax.psum(jnp.sum(moved.astype(jnp.float32).reshape(d * R, M) * c), "d")
+
+        return slots.astype(jnp.float32).reshape(d * R, M), back.astype(jnp.float32), jax.grad(loss)(x)
+
+    with jax.set_mesh(make_mesh(4, 2)):
+        slots, back, grad = (np.asarray(a) for a in jax.jit(exchange)(x, sizes.reshape(-1), c))
+    rounded = np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32)).reshape(d, R, M)
+    expected = np.zeros((d, d, R, M), np.float32)  # [destination, sender, row, M]
+    for s in range(d):
+        starts = np.cumsum(sizes[s]) - sizes[s]
+        for j in range(d):
+            expected[j, s, : sizes[s, j]] = rounded[s, starts[j] : starts[j] + sizes[s, j]]
+    np.testing.assert_array_equal(slots.reshape(d, d, R, M), expected)
+    sent = (np.arange(R) < sizes.sum(axis=1)[:, None])[..., None]  # device 3 sends 5 of its 6 rows
+    np.testing.assert_array_equal(back.reshape(d, R, M), np.where(sent, rounded, 0))
+    cotangent = np.asarray(jnp.asarray(c).astype(dtype).astype(jnp.float32)).reshape(d, d, R, M)
+    expected_grad = np.zeros((d, R, M), np.float32)
+    for s in range(d):
+        starts = np.cumsum(sizes[s]) - sizes[s]
+        for j in range(d):
+            expected_grad[s, starts[j] : starts[j] + sizes[s, j]] = cotangent[j, s, : sizes[s, j]]
+    np.testing.assert_array_equal(grad.reshape(d, R, M), expected_grad)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ("R M -> R M d", "leading dimension named by a mesh axis"),
+        ("R M -> d/t R M", "leading dimension named by a mesh axis"),
+        ("R M -> d R F", "leading dimension named by a mesh axis"),
+        ("R M -> x R M", "'x' is not a mesh axis"),
+    ],
+)
+def test_malformed_ragged_all_to_all_specs(spec, message, mesh):
+    @typed_shard_map
+    def send(x: f32[b"R/d M"], sizes: i32[b"D/d"]) -> f32[b"R/d M"]:
+        return shardops.ragged_all_to_all(spec, x, sizes)[0]
+
+    with pytest.raises(SpecError, match=message):
+        jax.jit(send)(rand(16, 2), np.zeros(16, np.int32))

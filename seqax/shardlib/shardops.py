@@ -15,6 +15,8 @@ reason when the spec is not a legal gather, scatter, einsum or lookup. All ops r
     global_norm(grads, Model)                     the L2 norm of arrays sharded as Model's annotations say
     all_to_all('layers M/d F/t -> layers/d/t M F', w)  move d and t from M and F to layers: whole matrices
     inverse('layers M/d F/t -> layers/d/t M F')       the spec that undoes it: 'layers/d/t M F -> layers M/d F/t'
+    ragged_all_to_all('R M -> d R M', rows, sizes)  rows sorted by destination, sizes[j] of them to device j of d
+    ragged_all_to_all('d R M -> R M', received, sizes)  each slot's rows back to their sender, in place
 """
 
 from functools import partial
@@ -231,6 +233,20 @@ def _varying_axes(x) -> frozenset:
     return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
+def vary_as(x, *operands):
+    """x typed as varying over every mesh axis any of `operands` varies over (shard_map's check_vma:
+    a loop's carry, or a buffer the operands' values are written into, must have their type)."""
+    return _varying(x, frozenset().union(*(_varying_axes(a) for a in operands)))
+
+
+def zeros_after(shape, dtype, *values):
+    """Zeros that exist only once `values` do. A buffer of zeros depends on nothing, so XLA may create
+    it anywhere, and on a GPU it gathers those of every layer into one kernel at the start: all of
+    them alive at once. Tied to the values it is made where it is used. Typed as varying as they are."""
+    zero = lax.optimization_barrier((jnp.zeros((), dtype), values))[0]
+    return vary_as(jnp.broadcast_to(zero, shape), *values)
+
+
 def _varying(x, axes):
     """x typed as varying over mesh `axes` too (a no-op on the values)."""
     missing = tuple(sorted(set(axes) - _varying_axes(x)))
@@ -421,6 +437,107 @@ def _all_to_all_backward(moves, _, cotangent):  # the blocks go back the way the
 
 
 _all_to_all.defvjp(_all_to_all_forward, _all_to_all_backward)
+
+
+def ragged_all_to_all(spec: str, x, sizes):
+    """Sends rows to the devices of one mesh axis, a different number to each, named as a dimension
+    by the spec. 'R M -> d R M': x [R, M] holds rows sorted by their destination along d, sizes[j]
+    of them (an int32 [d], summing to at most R) for device j; the result [d, R, M] holds in slot s
+    the rows device s sent here, from the slot's start, zeros after. 'd R M -> R M' sends each slot
+    back to its device, which finds the rows where it had them in x; `sizes` is the same array (each
+    device's sizes as a sender of the first exchange). Each is the other's gradient.
+
+    On GPUs and TPUs one ragged collective moves only the real rows; XLA:CPU has none, so there each
+    device sends a whole slot of R rows to every device (d times the bytes, the same result)."""
+    op = "ragged_all_to_all"
+    src, dst = _parse(spec, op)
+    src = src[0]
+    sending = len(dst) == len(src) + 1
+    slotted, rows = (dst, src) if sending else (src, dst)
+    if len(slotted) != len(rows) + 1 or slotted[1:] != rows or slotted[0].axes:
+        raise SpecError(f"{op}: spec {spec!r} must add or drop one leading dimension named by a mesh axis "
+                        "('R M -> d R M' or 'd R M -> R M'), the others unchanged")
+    axis = slotted[0].name
+    _check_ndim(op, spec, src, x)
+    try:
+        d = lax.axis_size(axis)
+    except NameError:
+        raise SpecError(f"{op}: in spec {spec!r}, {axis!r} is not a mesh axis") from None
+    if sizes.shape != (d,) or not jnp.issubdtype(sizes.dtype, jnp.integer):
+        raise SpecError(f"{op}: sizes must be integers [{d}] (one a device of {axis}), got {sizes.dtype}{sizes.shape}")
+    if not sending and x.shape[0] != d:
+        raise SpecError(f"{op}: in spec {spec!r}, {axis} has {d} devices but the operand {x.shape[0]} slots")
+    sizes = sizes.astype(jnp.int32)
+    return (_send_rows if sending else _return_rows)(x, sizes, axis)
+
+
+def _exchange(x, axis):  # slot j of x to device j; slot s of the result from device s
+    return through_bits(lambda y: lax.all_to_all(y, axis, 0, 0, tiled=True), x)
+
+
+def _starts(sizes):
+    return jnp.cumsum(sizes) - sizes
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _send_rows(x, sizes, axis):
+    R, d = x.shape[0], sizes.shape[0]
+    starts, received = _starts(sizes), _exchange(sizes, axis)
+
+    def fixed(x):  # XLA:CPU: a whole slot to every device
+        at = starts[:, None] + jnp.arange(R)
+        slots = jnp.where((at < starts[:, None] + sizes[:, None])[..., None], x[jnp.minimum(at, R - 1)], 0)
+        return _exchange(slots.astype(x.dtype), axis)
+
+    def ragged(x):
+        out = zeros_after((d * R,) + x.shape[1:], x.dtype, x)
+        here = jnp.full((d,), lax.axis_index(axis) * R, jnp.int32)
+        return lax.ragged_all_to_all(x, out, starts, sizes, here, received, axis_name=axis).reshape((d,) + x.shape)
+
+    varying = _varying_axes(x) | {axis}
+    return lax.platform_dependent(x, cpu=lambda x: _varying(fixed(x), varying),
+                                  default=lambda x: _varying(ragged(x), varying))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _return_rows(y, sizes, axis):
+    d, R = y.shape[:2]
+    starts, received = _starts(sizes), _exchange(sizes, axis)
+
+    def fixed(y):
+        back = _exchange(y, axis)  # slot j: the rows device j returns, in the order they were sent
+        row = jnp.arange(R)
+        to = jnp.minimum(jnp.sum(row[:, None] >= jnp.cumsum(sizes), axis=1), d - 1)  # each row's device
+        return jnp.where((row < jnp.sum(sizes))[:, None], back[to, row - starts[to]], 0).astype(y.dtype)
+
+    def ragged(y):
+        out = zeros_after(y.shape[1:], y.dtype, y)
+        return lax.ragged_all_to_all(y.reshape((d * R,) + y.shape[2:]), out, jnp.arange(d, dtype=jnp.int32) * R,
+                                     received, _exchange(starts, axis), sizes, axis_name=axis)
+
+    varying = _varying_axes(y) | {axis}
+    return lax.platform_dependent(y, cpu=lambda y: _varying(fixed(y), varying),
+                                  default=lambda y: _varying(ragged(y), varying))
+
+
+def _send_rows_forward(x, sizes, axis):
+    return _send_rows(x, sizes, axis), sizes
+
+
+def _send_rows_backward(axis, sizes, cotangent):
+    return _return_rows(cotangent, sizes, axis), None
+
+
+def _return_rows_forward(y, sizes, axis):
+    return _return_rows(y, sizes, axis), sizes
+
+
+def _return_rows_backward(axis, sizes, cotangent):
+    return _send_rows(cotangent, sizes, axis), None
+
+
+_send_rows.defvjp(_send_rows_forward, _send_rows_backward)
+_return_rows.defvjp(_return_rows_forward, _return_rows_backward)
 
 
 def inverse(spec: str) -> str:

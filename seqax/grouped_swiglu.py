@@ -1,0 +1,120 @@
+"""SwiGLU feed-forward layers, one per group of rows (a mixture of experts' experts), computing only
+the blocks of rows that exist.
+
+The rows x [N, M] are listed in blocks of b by `rows` [n, b] (indices into x; N itself marks a
+padding place), each group's blocks contiguous: group g owns blocks ends[g - 1] .. ends[g] - 1
+(ends[-1] = 0); the blocks after the last group's are empty. How many blocks a group has is known
+only at run time, so each group is a loop over its own blocks (a while loop whose trip count is
+data), and one iteration is a whole SwiGLU on one block: its rows gathered from x, the gate and up
+matmuls, silu(gate) * up, the down matmul, the results written to those rows of the output. Nothing
+is computed for blocks that do not exist, and no array of all n blocks' hidden activations is
+made: the work and the memory traffic follow the rows, whatever bound n is sized for.
+
+The math is train.py's dense SwiGLU (transformer_layer): gate and up rounded to the operands' dtype,
+silu(gate) * up in float32, rounded once, the down matmul's partial sums in float32.
+
+JAX cannot differentiate a loop of data-dependent length in reverse, so the gradient is written out
+(custom_vjp): the same loops recompute each block's gate, up and hidden values and give its rows'
+input gradient and its group's weight gradients, accumulated in float32.
+
+A roofline cannot read a data-dependent trip count from the program: each loop is named (in its HLO
+op_name) with the caller's expectation, `expected_trips=N` (trips_name), which roofline.py uses.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqax.shardlib.shardops import zeros_after
+
+
+def trips_name(trips: int) -> str:
+    """The name scope that tells a roofline how many times the loop inside it is expected to run."""
+    return f"expected_trips={trips}"
+
+
+def grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks: int):
+    """x [N, M] (the operands' dtype: bfloat16, or float32 for exact checks); rows [n, b] int32;
+    gate_w, up_w [G, M, H]; down_w [G, H, M]; ends int32 [G]. Returns [N, M] float32: each listed row's
+    SwiGLU by its group's weights, zeros for rows no block lists. expected_blocks: the blocks a group
+    is expected to hold (a static int, read by the roofline only)."""
+    G, M, H = gate_w.shape
+    if (x.ndim != 2 or x.shape[1] != M or rows.ndim != 2 or up_w.shape != gate_w.shape
+            or down_w.shape != (G, H, M) or ends.shape != (G,)):
+        raise ValueError(f"grouped_swiglu: x [N, M], rows [n, b], gate_w and up_w [G, M, H], down_w [G, H, M] "
+                         f"and ends [G] needed, got x {x.shape}, rows {rows.shape}, gate_w {gate_w.shape}, "
+                         f"up_w {up_w.shape}, down_w {down_w.shape}, ends {ends.shape}")
+    return _grouped_swiglu(x, rows.astype(jnp.int32), gate_w, up_w, down_w, ends.astype(jnp.int32), expected_blocks)
+
+
+def _group_loop(ends, g: int, expected_blocks: int, body, carry):
+    """body(block, carry) -> carry over group g's blocks."""
+    start = ends[g - 1] if g else jnp.int32(0)
+    with jax.named_scope(trips_name(expected_blocks)):
+        return lax.fori_loop(start, ends[g], body, carry)
+
+
+def _hidden(x_block, gate_w, up_w):
+    """(gate as float32 after rounding, up, the hidden activations) of one block, as the dense SwiGLU."""
+    gate = jnp.matmul(x_block, gate_w, preferred_element_type=jnp.float32).astype(x_block.dtype).astype(jnp.float32)
+    up = jnp.matmul(x_block, up_w, preferred_element_type=jnp.float32).astype(x_block.dtype)
+    return gate, up, (gate * jax.nn.sigmoid(gate) * up).astype(x_block.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
+    out = zeros_after(x.shape, jnp.float32, x, rows, gate_w, up_w, down_w, ends)
+    for g in range(ends.shape[0]):
+        weights = gate_w[g], up_w[g], down_w[g]  # sliced once, outside the loop
+
+        def block(i, out, weights=weights):
+            gate_w, up_w, down_w = weights
+            at = rows[i]
+            hidden = _hidden(x.at[at].get(mode="fill", fill_value=0), gate_w, up_w)[2]
+            return out.at[at].set(jnp.matmul(hidden, down_w, preferred_element_type=jnp.float32), mode="drop")
+
+        out = _group_loop(ends, g, expected_blocks, block, out)
+    return out
+
+
+def _forward(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
+    return _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks), (x, rows, gate_w, up_w, down_w, ends)
+
+
+def _backward(expected_blocks, residuals, d_out):
+    x, rows, gate_w, up_w, down_w, ends = residuals
+    operands = (x, rows, gate_w, up_w, down_w, ends, d_out)
+    dx = zeros_after(x.shape, x.dtype, *operands)
+    weight_grads = []
+    for g in range(ends.shape[0]):
+        weights = gate_w[g], up_w[g], down_w[g]
+
+        def block(i, carry, weights=weights):
+            gate_w, up_w, down_w = weights
+            dx, d_gate_w, d_up_w, d_down_w = carry
+            at = rows[i]
+            x_block = x.at[at].get(mode="fill", fill_value=0)
+            gate, up, hidden = _hidden(x_block, gate_w, up_w)
+            dy = d_out.at[at].get(mode="fill", fill_value=0).astype(x.dtype)  # the forward's operand dtype
+            d_down_w += jnp.matmul(hidden.T, dy, preferred_element_type=jnp.float32)
+            d_hidden = jnp.matmul(dy, down_w.T, preferred_element_type=jnp.float32)
+            sig = jax.nn.sigmoid(gate)
+            d_gate = (d_hidden * up * sig * (1 + gate * (1 - sig))).astype(x.dtype)  # silu'(g) = s (1 + g (1 - s))
+            d_up = (d_hidden * gate * sig).astype(x.dtype)
+            d_gate_w += jnp.matmul(x_block.T, d_gate, preferred_element_type=jnp.float32)
+            d_up_w += jnp.matmul(x_block.T, d_up, preferred_element_type=jnp.float32)
+            dx_block = (jnp.matmul(d_gate, gate_w.T, preferred_element_type=jnp.float32)
+                        + jnp.matmul(d_up, up_w.T, preferred_element_type=jnp.float32))
+            return dx.at[at].set(dx_block.astype(x.dtype), mode="drop"), d_gate_w, d_up_w, d_down_w
+
+        zeros = tuple(zeros_after(w.shape, jnp.float32, *operands) for w in weights)
+        dx, *grads = _group_loop(ends, g, expected_blocks, block, (dx, *zeros))
+        weight_grads.append(grads)
+    d_gate_w, d_up_w, d_down_w = (jnp.stack(grads).astype(w.dtype) for grads, w in
+                                  zip(zip(*weight_grads), (gate_w, up_w, down_w)))
+    return dx, None, d_gate_w, d_up_w, d_down_w, None
+
+
+_grouped_swiglu.defvjp(_forward, _backward)
