@@ -262,14 +262,15 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     n = (d * R + here * (b - 1)) // b
     slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + rank, n * b)  # [d, R]
     rows = jnp.full(n * b, d * R, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * R), mode="drop").reshape(n, b)
-    expected = -(-R // max(here * b, 1))  # blocks an expert holds at a perfect balance (for the roofline only)
+    expected = -(-(R // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
     # The experts here, whole: gathered over c (FSDP) and cast.
     gate_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_gate, MATMUL_DTYPE)
     up_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_up, MATMUL_DTYPE)
     down_w = all_gather_cast("E/d H/t M/c -> E/d H/t M", w.expert_down, MATMUL_DTYPE)
     # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math.
     out = grouped_swiglu(received.reshape(d * R, M), rows, gate_w, up_w, down_w, ends, expected)  # partial over t
-    out = ragged_all_to_all("d R M -> R M", out.reshape(d, R, M), sizes)[position]  # back here, in row order
+    # Back here, in row order; kept for backward (R rows, not the d R of the buffers), else recomputed.
+    out = save_for_backward(ragged_all_to_all("d R M -> R M", out.reshape(d, R, M), sizes)[position])
     out = jnp.einsum("blkm,blk->blm", out.reshape(B, L, k, M), gates)  # combine
     # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / k x the
     # fraction of the row's choices that picked expert i (whole rows: a sum over c), P_i = expert i's mean

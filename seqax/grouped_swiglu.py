@@ -72,7 +72,7 @@ def _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
         def block(i, out, weights=weights):
             gate_w, up_w, down_w = weights
             at = rows[i]
-            hidden = _hidden(x.at[at].get(mode="fill", fill_value=0), gate_w, up_w)[2]
+            hidden = _hidden(x.at[at].get(mode="clip"), gate_w, up_w)[2]
             return out.at[at].set(jnp.matmul(hidden, down_w, preferred_element_type=jnp.float32), mode="drop")
 
         out = _group_loop(ends, g, expected_blocks, block, out)
@@ -95,8 +95,9 @@ def _backward(expected_blocks, residuals, d_out):
             gate_w, up_w, down_w = weights
             dx, d_gate_w, d_up_w, d_down_w = carry
             at = rows[i]
-            x_block = x.at[at].get(mode="fill", fill_value=0)
+            x_block = x.at[at].get(mode="clip")
             gate, up, hidden = _hidden(x_block, gate_w, up_w)
+            # A padding place reads some row of x (clipped: no mask), but its dy is 0, so it adds nothing.
             dy = d_out.at[at].get(mode="fill", fill_value=0).astype(x.dtype)  # the forward's operand dtype
             d_down_w += jnp.matmul(hidden.T, dy, preferred_element_type=jnp.float32)
             d_hidden = jnp.matmul(dy, down_w.T, preferred_element_type=jnp.float32)

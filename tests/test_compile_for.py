@@ -92,11 +92,11 @@ def test_the_roofline_counts_the_experts_padded_blocks_and_prices_their_dispatch
     """A mixture of experts (4 experts of 512, 2 a token, the dense SwiGLU as a shared expert) on one
     H200: the HLO's matmul FLOPs are the model's (active experts only) with the experts' rows replaced
     by the blocks the step computes at a balanced load (each expert's loop runs the trips it names:
-    ceil(B L k / (E b)) blocks of b rows), each block's SwiGLU 3 times forward (the forward pass and
-    its recomputation) and 8 matmuls backward (gate and up recomputed, then the gradients of the
-    hidden values, the input and the 3 weights), the gates' weighted sum (a batched dot over the k
-    choices), blockwise attention's and Newton-Schulz's, as above; the experts' matmuls and dispatch
-    are priced."""
+    B L k / E rows and half a block, in whole blocks of b rows), each block's 3 matmuls forward once
+    (the experts' output is saved: the recomputed forward pass does not run them) and 8 backward (gate
+    and up recomputed, then the gradients of the hidden values, the input and the 3 weights), the
+    gates' weighted sum (a batched dot over the k choices), blockwise attention's and Newton-Schulz's,
+    as above; the experts' matmuls and dispatch are priced."""
     moe = ["+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=512", "+model.expert_block=64"]
     [row] = compile_for(tmp_path, "moe", ["local_test_synthetic"], ["h200"], "mesh.d=1", "mesh.t=1",
                         "model.attention_kernel=blockwise", *moe)
@@ -105,8 +105,9 @@ def test_the_roofline_counts_the_experts_padded_blocks_and_prices_their_dispatch
     heads, b, N = h.n_q_per_kv * h.n_kv, h.attention_block, L // h.attention_block
     attention = h.layers * (14 * B * heads * b * b * h.d_head * N * (N + 1) / 2 - 6 * B * heads * h.d_head * L * L)
     k, E, H, M = h.experts_per_token, h.experts, h.expert_d_ff, h.d_model
-    computed = E * -(-B * L * k // (E * h.expert_block)) * h.expert_block  # rows: whole blocks, at a balanced load
-    experts = h.layers * 2 * M * H * (14 * computed - 9 * B * L * k)  # less the model's active experts: 3 x 3 matmuls
+    blocks = -(-(B * L * k // E + h.expert_block // 2) // h.expert_block)  # balanced, half a block of padding
+    computed = E * blocks * h.expert_block
+    experts = h.layers * 2 * M * H * (11 * computed - 9 * B * L * k)  # less the model's active experts: 3 x 3 matmuls
     combine = h.layers * 3 * 2 * B * L * k * M
     model = train.model_flops_per_token(h, L) * B * L
     expected = model + attention + experts + combine + train.newton_schulz_flops(h, 1)[1]
