@@ -223,8 +223,8 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     gates: the sigmoids of its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3,
     Liu et al. 2024: the bias balances the load by changing who is picked, never a gate's value).
 
-    Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (stored FSDP-style
-    like every weight, gathered over c and moved to their device a layer at a time), and each row goes
+    Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (split over c
+    FSDP-style, gathered a layer at a time), and each row goes
     to its expert's device and back, a ragged all-to-all each way. Dropless, and the same on every
     mesh: every (token, choice) row is computed, whichever device it lands on, by the same matmuls.
     There the rows of each expert are listed in blocks of expert_block rows (padded to whole blocks),
@@ -255,20 +255,21 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     i, ends_in_slot = jnp.arange(R), jnp.cumsum(sent, axis=1)
     local = jnp.minimum(jnp.sum(i[:, None] >= ends_in_slot[:, None], axis=2), here - 1)  # [d, R]: each row's expert
     # A row's place among its expert's rows: those from the devices before its sender's, then its own.
-    rank = (jnp.cumsum(sent, axis=0) - ends_in_slot)[jnp.arange(d)[:, None], local] + i
+    place = (jnp.cumsum(sent, axis=0) - ends_in_slot)[jnp.arange(d)[:, None], local] + i
     # The rows of each expert here listed in blocks of b, padded to whole blocks: enough blocks for any load.
     blocks = -(-jnp.sum(sent, axis=0) // b)
     ends = jnp.cumsum(blocks)
     n = (d * R + here * (b - 1)) // b
-    slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + rank, n * b)  # [d, R]
-    rows = jnp.full(n * b, d * R, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * R), mode="drop").reshape(n, b)
+    slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + place, n * b)  # [d, R]
+    listed = jnp.full(n * b, d * R, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * R), mode="drop")
     expected = -(-(R // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
     # The experts here, whole: gathered over c (FSDP) and cast.
     gate_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_gate, MATMUL_DTYPE)
     up_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_up, MATMUL_DTYPE)
     down_w = all_gather_cast("E/d H/t M/c -> E/d H/t M", w.expert_down, MATMUL_DTYPE)
-    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math.
-    out = grouped_swiglu(received.reshape(d * R, M), rows, gate_w, up_w, down_w, ends, expected)  # partial over t
+    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math
+    # (partial sums over t).
+    out = grouped_swiglu(received.reshape(d * R, M), listed.reshape(n, b), gate_w, up_w, down_w, ends, expected)
     # Back here, in row order; kept for backward (R rows, not the d R of the buffers), else recomputed.
     out = save_for_backward(ragged_all_to_all("d R M -> R M", out.reshape(d, R, M), sizes)[position])
     out = jnp.einsum("blkm,blk->blm", out.reshape(B, L, k, M), gates)  # combine
