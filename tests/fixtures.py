@@ -47,6 +47,20 @@ def tiny_config(*overrides: str) -> config.Config:
     return load_config("local_test_synthetic", ["+paths.model_name=test", *tiny_overrides(*overrides)])
 
 
+@contextlib.contextmanager
+def float32_matmuls():
+    """train's matmuls in float32 inside the block (comparisons where only the order of sums may
+    differ). The jitted steps are keyed by their config, not by MATMUL_DTYPE, so the compiled
+    programs are dropped on the way out: a later bfloat16 call with the same config would run the
+    float32 program."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "MATMUL_DTYPE", jax.numpy.float32)
+        try:
+            yield
+        finally:
+            jax.clear_caches()
+
+
 def make_mesh(d: int, t: int, c: int = 1) -> jax.sharding.Mesh:
     return train.make_mesh(d, t, c, devices=jax.devices()[: d * t * c])
 
