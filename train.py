@@ -85,9 +85,9 @@ class Layer:
     # The mixture of experts (model.experts = E > 0; with 0 these are empty and the model is dense).
     router: f32[b"M E"]
     expert_bias: f32[b"E"]  # added to the router's scores to pick experts, not to weigh them: load balance
-    expert_gate: f32[b"E/d M/c H/t"]  # expert parallelism: E / d experts a device (routed_experts)
-    expert_up: f32[b"E/d M/c H/t"]
-    expert_down: f32[b"E/d H/t M/c"]
+    expert_gate: f32[b"E/d M/c/t H"]  # expert parallelism: E / d experts a device (routed_experts)
+    expert_up: f32[b"E/d M/c/t H"]
+    expert_down: f32[b"E/d H M/c/t"]
 
 
 @pytree_dataclass
@@ -223,35 +223,45 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     gates: the sigmoids of its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3,
     Liu et al. 2024: the bias balances the load by changing who is picked, never a gate's value).
 
-    Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (split over c
-    FSDP-style, gathered a layer at a time), and each row goes
-    to its expert's device and back, a ragged all-to-all each way. Dropless, and the same on every
-    mesh: every (token, choice) row is computed, whichever device it lands on, by the same matmuls.
-    There the rows of each expert are listed in blocks of expert_block rows (padded to whole blocks),
-    and grouped_swiglu runs each expert's SwiGLU over its blocks only: a loop whose length is the
-    load. Buffers are sized for the worst load (every row of the d devices to one device), the work
-    for the real one. H splits over t (Megatron-style, as F): the t devices of a group send the same
-    rows and each computes its slice of H."""
+    Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (split over c and t
+    FSDP-style, gathered a layer at a time), and each row goes to its expert's device and back, a ragged
+    all-to-all each way. The t devices of a group hold the same tokens: each sends its share of them, so
+    that a row is computed once, whole (all of H), and its output rounded once to MATMUL_DTYPE: the same
+    on any mesh. Dropless: every (token, choice) row is computed, whichever device it lands on, by the
+    same matmuls. There the rows of each expert are listed in blocks of expert_block rows (padded to whole
+    blocks), and grouped_swiglu runs each expert's SwiGLU over its blocks only: a loop whose length is the
+    load. Buffers are sized for the worst load (every row of the d devices to one device), the work for
+    the real one."""
     B, L, M = nx.shape
     E, k, b = h.experts, h.experts_per_token, h.expert_block
     scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", normed, w.router))  # float32 [B, L, E]
     _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, k)  # [B, L, k]; a tie goes to the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    # Dispatch. The E experts are split over d, E / d a device: this device's rows (row r is token r // k's
-    # choice r % k) go in expert order to their experts' devices, which compute them and send them back.
-    d, here = lax.axis_size("d"), E // lax.axis_size("d")
-    expert = chosen.reshape(-1)
+    picked = jnp.sum(chosen[..., None] == jnp.arange(E), axis=(1, 2), dtype=jnp.int32)  # [B, E]: each row's picks
+    # Dispatch. This device's share of the group's B L tokens: S of them from `first` (the last share padded
+    # past B L with tokens of no expert, E). Row r is token first + r // k's choice r % k; the rows go in
+    # expert order to their experts' devices (E / d experts a device), which compute them and send them back.
+    d, t, here = lax.axis_size("d"), lax.axis_size("t"), E // lax.axis_size("d")
+    S = -(-B * L // t)
+    first = lax.axis_index("t") * S
+
+    def share(x, fill):  # this device's S tokens of x [B, L, k], padded with `fill`
+        padded = jnp.pad(x.reshape(B * L, k), ((0, S * t - B * L), (0, 0)), constant_values=fill)
+        return lax.dynamic_slice_in_dim(padded, first, S)
+
+    expert = share(chosen, E).reshape(-1)
     R = expert.size
-    one_hot = expert[:, None] == jnp.arange(E)  # [R, E]
+    one_hot = expert[:, None] == jnp.arange(E + 1)  # [R, E + 1]: padding rows in the last column
     rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
-    load = jnp.sum(one_hot, axis=0, dtype=jnp.int32)  # rows of each expert
-    position = (jnp.cumsum(load) - load)[expert] + rank  # each row's place in expert order
+    count = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
+    position = (jnp.cumsum(count) - count)[expert] + rank  # each row's place in expert order (padding last)
     in_order = jnp.zeros(R, jnp.int32).at[position].set(jnp.arange(R, dtype=jnp.int32))
-    sizes = jnp.sum(load.reshape(d, here), axis=1)  # rows for each device of d
-    received = ragged_all_to_all("R M -> d R M", nx.reshape(B * L, M)[in_order // k], sizes)  # slot s: device s's
+    sizes = jnp.sum(count[:E].reshape(d, here), axis=1)  # rows for each device of d (padding rows unsent)
+    rows = nx.reshape(B * L, M).at[first + in_order // k].get(mode="clip")  # (a padding row reads some token)
+    received = ragged_all_to_all("R M -> d R M", rows, sizes)  # slot s: device s's rows
     # Here, slot s holds first sent[s, 0] rows of this device's first expert, then sent[s, 1] of its second...
-    sent = all_to_all("S/d E -> S E/d", load[None])  # [d, here]: rows each device sent to each expert here
+    sent = all_to_all("S/d E -> S E/d", count[None, :E])  # [d, here]: rows each device sent to each expert here
     i, ends_in_slot = jnp.arange(R), jnp.cumsum(sent, axis=1)
     local = jnp.minimum(jnp.sum(i[:, None] >= ends_in_slot[:, None], axis=2), here - 1)  # [d, R]: each row's expert
     # A row's place among its expert's rows: those from the devices before its sender's, then its own.
@@ -263,27 +273,28 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + place, n * b)  # [d, R]
     listed = jnp.full(n * b, d * R, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * R), mode="drop")
     expected = -(-(R // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
-    # The experts here, whole: gathered over c (FSDP) and cast.
-    gate_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_gate, MATMUL_DTYPE)
-    up_w = all_gather_cast("E/d M/c H/t -> E/d M H/t", w.expert_up, MATMUL_DTYPE)
-    down_w = all_gather_cast("E/d H/t M/c -> E/d H/t M", w.expert_down, MATMUL_DTYPE)
-    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math
-    # (partial sums over t).
+    # The experts here, whole: gathered over c and t (FSDP) and cast.
+    gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, MATMUL_DTYPE)
+    up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, MATMUL_DTYPE)
+    down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, MATMUL_DTYPE)
+    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math,
+    # rounded to MATMUL_DTYPE and written over the received rows (no second buffer of d R rows).
     out = grouped_swiglu(received.reshape(d * R, M), listed.reshape(n, b), gate_w, up_w, down_w, ends, expected)
     # Back here, in row order; kept for backward (R rows, not the d R of the buffers), else recomputed.
     out = save_for_backward(ragged_all_to_all("d R M -> R M", out.reshape(d, R, M), sizes)[position])
-    out = jnp.einsum("blkm,blk->blm", out.reshape(B, L, k, M), gates)  # combine
+    out = jnp.einsum("skm,sk->sm", out.reshape(S, k, M), share(gates, 0.0))  # combine, in float32
+    # Into the group's B L tokens, zeros in the others' shares: partial sums over t, as the dense SwiGLU's.
+    out = lax.dynamic_update_slice_in_dim(jnp.zeros((S * t, M), jnp.float32), out, first, 0)[:B * L]
     # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / k x the
     # fraction of the row's choices that picked expert i (whole rows: a sum over c), P_i = expert i's mean
     # score, normalized over experts. Linear in P: each device adds its positions' share. Mean over rows.
     row_length = L * lax.axis_size("c")
-    picked = lax.psum(jnp.sum(one_hot.reshape(B, L * k, E), axis=1, dtype=jnp.float32), "c")  # [B, E]
-    f = picked * (jnp.float32(E) / (k * row_length))  # (no experts: an empty array)
+    f = lax.psum(picked.astype(jnp.float32), "c") * (jnp.float32(E) / (k * row_length))  # (no experts: empty)
     P = jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1) / row_length
     # The t devices of a group hold the same value: their mean is the value, invariant over t. (Were
     # it added to the loss on each t device, autodiff would count it, and the cross-entropy, t times.)
     balance_loss = lax.pmean(jnp.sum(lax.stop_gradient(f) * P), "t") / (B * lax.axis_size("d"))
-    return out, Routing(load.astype(jnp.float32), balance_loss)
+    return out.reshape(B, L, M), Routing(jnp.sum(picked, axis=0).astype(jnp.float32), balance_loss)
 
 
 def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
@@ -446,9 +457,9 @@ MUON = {
     "w_gate": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
     "w_up": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
     "w_down": ("layers F/t M/d/c -> layers/d/c/t F M", (1, 1)),
-    "expert_gate": ("layers E/d M/c H/t -> layers/d/c/t E M H", (1, 1)),  # E matrices [M, H] a layer
-    "expert_up": ("layers E/d M/c H/t -> layers/d/c/t E M H", (1, 1)),
-    "expert_down": ("layers E/d H/t M/c -> layers/d/c/t E H M", (1, 1)),
+    "expert_gate": ("layers E/d M/c/t H -> layers/d/c/t E M H", (1, 1)),  # E matrices [M, H] a layer
+    "expert_up": ("layers E/d M/c/t H -> layers/d/c/t E M H", (1, 1)),
+    "expert_down": ("layers E/d H M/c/t -> layers/d/c/t E H M", (1, 1)),
 }
 NEWTON_SCHULZ_STEPS = 5
 

@@ -6,12 +6,15 @@ padding place), each group's blocks contiguous: group g owns blocks ends[g - 1] 
 (ends[-1] = 0); the blocks after the last group's are empty. How many blocks a group has is known
 only at run time, so each group is a loop over its own blocks (a while loop whose trip count is
 data), and one iteration is a whole SwiGLU on one block: its rows gathered from x, the gate and up
-matmuls, silu(gate) * up, the down matmul, the results written to those rows of the output. Nothing
-is computed for blocks that do not exist, and no array of all n blocks' hidden activations is
-made: the work and the memory traffic follow the rows, whatever bound n is sized for.
+matmuls, silu(gate) * up, the down matmul, the results written over those rows of x. Nothing is
+computed for blocks that do not exist, and no array of all n blocks' hidden activations is made:
+the work and the memory traffic follow the rows, whatever bound n is sized for. Nor is a second
+array of N rows: the output is x's own buffer (and the input gradient the output gradient's), so
+that a caller whose N is a worst case (train.routed_experts) zero-fills none.
 
 The math is train.py's dense SwiGLU (transformer_layer): gate and up rounded to the operands' dtype,
-silu(gate) * up in float32, rounded once, the down matmul's partial sums in float32.
+silu(gate) * up in float32, rounded once, the down matmul's partial sums in float32, rounded once
+to x's dtype (the dense SwiGLU keeps them in float32: here they are the output, in x's buffer).
 
 JAX cannot differentiate a loop of data-dependent length in reverse, so the gradient is written out
 (custom_vjp): the same loops recompute each block's gate, up and hidden values and give its rows'
@@ -37,8 +40,8 @@ def trips_name(trips: int) -> str:
 
 def grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks: int):
     """x [N, M] (the operands' dtype: bfloat16, or float32 for exact checks); rows [n, b] int32;
-    gate_w, up_w [G, M, H]; down_w [G, H, M]; ends int32 [G]. Returns [N, M] float32: each listed row's
-    SwiGLU by its group's weights, zeros for rows no block lists. expected_blocks: the blocks a group
+    gate_w, up_w [G, M, H]; down_w [G, H, M]; ends int32 [G]. Returns [N, M] in x's dtype: each listed row's
+    SwiGLU by its group's weights; rows no block lists are x's, unchanged. expected_blocks: the blocks a group
     is expected to hold (a static int, read by the roofline only)."""
     G, M, H = gate_w.shape
     if (x.ndim != 2 or x.shape[1] != M or rows.ndim != 2 or up_w.shape != gate_w.shape
@@ -65,15 +68,19 @@ def _hidden(x_block, gate_w, up_w):
 
 @partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
-    out = zeros_after(x.shape, jnp.float32, x, rows, gate_w, up_w, down_w, ends)
+    # The output is x's buffer, each block's rows overwritten where they were read: blocks list
+    # disjoint rows, so a block never reads a row another has written (a padding place may: its
+    # result is dropped). No second buffer of N rows is made or zeroed.
+    out = x
     for g in range(ends.shape[0]):
         weights = gate_w[g], up_w[g], down_w[g]  # sliced once, outside the loop
 
         def block(i, out, weights=weights):
             gate_w, up_w, down_w = weights
             at = rows[i]
-            hidden = _hidden(x.at[at].get(mode="clip"), gate_w, up_w)[2]
-            return out.at[at].set(jnp.matmul(hidden, down_w, preferred_element_type=jnp.float32), mode="drop")
+            hidden = _hidden(out.at[at].get(mode="clip"), gate_w, up_w)[2]
+            y = jnp.matmul(hidden, down_w, preferred_element_type=jnp.float32).astype(out.dtype)
+            return out.at[at].set(y, mode="drop")
 
         out = _group_loop(ends, g, expected_blocks, block, out)
     return out
@@ -86,7 +93,9 @@ def _forward(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
 def _backward(expected_blocks, residuals, d_out):
     x, rows, gate_w, up_w, down_w, ends = residuals
     operands = (x, rows, gate_w, up_w, down_w, ends, d_out)
-    dx = zeros_after(x.shape, x.dtype, *operands)
+    # dx is d_out's buffer, each block's rows overwritten after they were read (as the forward): a row
+    # no block lists passes through, its gradient its own.
+    dx = d_out
     weight_grads = []
     for g in range(ends.shape[0]):
         weights = gate_w[g], up_w[g], down_w[g]
@@ -98,7 +107,7 @@ def _backward(expected_blocks, residuals, d_out):
             x_block = x.at[at].get(mode="clip")
             gate, up, hidden = _hidden(x_block, gate_w, up_w)
             # A padding place reads some row of x (clipped: no mask), but its dy is 0, so it adds nothing.
-            dy = d_out.at[at].get(mode="fill", fill_value=0).astype(x.dtype)  # the forward's operand dtype
+            dy = dx.at[at].get(mode="fill", fill_value=0)
             d_down_w += jnp.matmul(hidden.T, dy, preferred_element_type=jnp.float32)
             d_hidden = jnp.matmul(dy, down_w.T, preferred_element_type=jnp.float32)
             sig = jax.nn.sigmoid(gate)

@@ -205,8 +205,6 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("+model.experts=4 +model.experts_per_token=5 +model.expert_d_ff=64",
      r"model.experts_per_token=5 must be in 1..model.experts=4"),
     ("+model.experts=4 +model.experts_per_token=2", r"model.expert_d_ff=0 and model.expert_block=64 must be positive"),
-    ("+model.experts=4 +model.experts_per_token=2 +model.expert_d_ff=63",
-     r"model.expert_d_ff=63 is not divisible by mesh.t=2"),
     ("+model.experts=6 +model.experts_per_token=2 +model.expert_d_ff=64",
      r"model.experts=6 is not divisible by mesh.d=4: the experts are split over d"),
     ("+training.expert_bias_rate=-0.1", r"training.expert_bias_rate=-0.1 must not be negative"),

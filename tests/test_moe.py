@@ -199,15 +199,15 @@ def test_model_flops_count_the_active_experts_only():
 
 @pytest.mark.slow
 def test_training_steps_agree_on_every_mesh(default_dataset):
-    """The tiny MoE model (Muon on every expert) on rows of the synthetic dataset, steps 0-2 on meshes
-    1x1, 8x1, 4x2 and 2x4 (H split 1, 2 and 4 ways). With float32 matmuls every step's loss is within
-    1e-6 relative of the 1x1 run's, with the same load: the dispatch does not depend on how tokens
-    are grouped per device (measured at most 8.2e-8). In bf16, step 0's loss within 1e-5 with the
-    same load, steps 1 and 2 within 5e-4: step 0's update rounds the gradient, whose float32 sums
-    differ between meshes in their last bits, to bf16 for Newton-Schulz; the few elements rounded
-    the other way move some routing near-ties, which moves the loss by a few 1e-4 (measured with
-    expert parallelism: step 1 at most 2.2e-4, step 2 3.7e-4, on 2x4; step 0 1.6e-7). The dense
-    model's bound is 1e-4 (test_optimizer). (Context parallelism: the float32 test above, on 2x2x2.)"""
+    """The tiny MoE model (Muon on every expert) on rows of the synthetic dataset, steps 0-2 on meshes 1x1,
+    8x1, 4x2 and 2x4 (tokens split 1, 2 and 4 ways over t). With float32 matmuls every step's loss is within
+    1e-6 relative of the 1x1 run's, with the same load: the dispatch does not depend on how tokens are grouped
+    per device (measured at most 8.2e-8). In bf16, step 0's loss within 1e-5 with the same load, steps 1 and 2
+    within 5e-4: step 0's update rounds the gradient, whose float32 sums differ between meshes in their last
+    bits, to bf16 for Newton-Schulz; the few elements rounded the other way move some routing near-ties, which
+    moves the loss by a few 1e-4 (measured with expert parallelism: step 1 at most 1.3e-4, step 2 2.4e-4; step
+    0 2.6e-6). The dense model's bound is 1e-4 (test_optimizer). (Context parallelism: the float32 test above,
+    on 2x2x2.)"""
     meshes = [(1, 1, 1), (8, 1, 1), (4, 2, 1), (2, 4, 1)]
     cfg = tiny_config(*MOE, "training.tokens.len=64", "model.attention_block=16", f"dataset.path={default_dataset}")
     with float32_matmuls():
