@@ -7,6 +7,7 @@ Dimension names, used the same way in every annotation and spec string:
     M  d_model                       F  d_ff                       V  vocabulary
     Q  query heads per kv head       K  kv heads                   D  head dimension
     R  RoPE frequencies (D / 2)       E  experts                    H  an expert's d_ff
+    N  rows for experts              I  devices of d (senders)
     layers  transformer blocks (weights stacked, run one after another)
 Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent as
 MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff and
@@ -238,53 +239,53 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, k)  # [B, L, k]; a tie goes to the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-    picked = jnp.sum(chosen[..., None] == jnp.arange(E), axis=(1, 2), dtype=jnp.int32)  # [B, E]: each row's picks
-    # Dispatch. This device's share of the group's B L tokens: S of them from `first` (the last share padded
+    picked = jnp.sum(chosen[..., None] == jnp.arange(E), axis=(1, 2), dtype=jnp.int32)  # [B, E] per sequence
+    # Dispatch. This device's share of the group's B L tokens: T of them from `first` (the last share padded
     # past B L with tokens of no expert, E). Row r is token first + r // k's choice r % k; the rows go in
     # expert order to their experts' devices (E / d experts a device), which compute them and send them back.
     d, t, here = lax.axis_size("d"), lax.axis_size("t"), E // lax.axis_size("d")
-    S = -(-B * L // t)
-    first = lax.axis_index("t") * S
+    T = -(-B * L // t)
+    first = lax.axis_index("t") * T
 
-    def share(x, fill):  # this device's S tokens of x [B, L, k], padded with `fill`
-        padded = jnp.pad(x.reshape(B * L, k), ((0, S * t - B * L), (0, 0)), constant_values=fill)
-        return lax.dynamic_slice_in_dim(padded, first, S)
+    def share(x, fill):  # this device's T tokens of x [B, L, k], padded with `fill`
+        padded = jnp.pad(x.reshape(B * L, k), ((0, T * t - B * L), (0, 0)), constant_values=fill)
+        return lax.dynamic_slice_in_dim(padded, first, T)
 
     expert = share(chosen, E).reshape(-1)
-    R = expert.size
-    one_hot = expert[:, None] == jnp.arange(E + 1)  # [R, E + 1]: padding rows in the last column
+    N = expert.size
+    one_hot = expert[:, None] == jnp.arange(E + 1)  # [N, E + 1]: padding rows in the last column
     rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
     count = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
     position = (jnp.cumsum(count) - count)[expert] + rank  # each row's place in expert order (padding last)
-    in_order = jnp.zeros(R, jnp.int32).at[position].set(jnp.arange(R, dtype=jnp.int32))
+    in_order = jnp.zeros(N, jnp.int32).at[position].set(jnp.arange(N, dtype=jnp.int32))
     sizes = jnp.sum(count[:E].reshape(d, here), axis=1)  # rows for each device of d (padding rows unsent)
     rows = nx.reshape(B * L, M).at[first + in_order // k].get(mode="clip")  # (a padding row reads some token)
-    received = ragged_all_to_all("R M -> d R M", rows, sizes)  # slot s: device s's rows
+    received = ragged_all_to_all("N M -> d N M", rows, sizes)  # slot s: device s's rows
     # Here, slot s holds first sent[s, 0] rows of this device's first expert, then sent[s, 1] of its second...
-    sent = all_to_all("S/d E -> S E/d", count[None, :E])  # [d, here]: rows each device sent to each expert here
-    i, ends_in_slot = jnp.arange(R), jnp.cumsum(sent, axis=1)
-    local = jnp.minimum(jnp.sum(i[:, None] >= ends_in_slot[:, None], axis=2), here - 1)  # [d, R]: each row's expert
+    sent = all_to_all("I/d E -> I E/d", count[None, :E])  # [d, here]: rows each device sent to each expert here
+    i, ends_in_slot = jnp.arange(N), jnp.cumsum(sent, axis=1)
+    local = jnp.minimum(jnp.sum(i[:, None] >= ends_in_slot[:, None], axis=2), here - 1)  # [d, N]: each row's expert
     # A row's place among its expert's rows: those from the devices before its sender's, then its own.
     place = (jnp.cumsum(sent, axis=0) - ends_in_slot)[jnp.arange(d)[:, None], local] + i
     # The rows of each expert here listed in blocks of b, padded to whole blocks: enough blocks for any load.
     blocks = -(-jnp.sum(sent, axis=0) // b)
     ends = jnp.cumsum(blocks)
-    n = (d * R + here * (b - 1)) // b
-    slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + place, n * b)  # [d, R]
-    listed = jnp.full(n * b, d * R, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * R), mode="drop")
-    expected = -(-(R // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
+    n = (d * N + here * (b - 1)) // b
+    slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + place, n * b)  # [d, N]
+    listed = jnp.full(n * b, d * N, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * N), mode="drop")
+    expected = -(-(N // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
     # The experts here, whole: gathered over c and t (FSDP) and cast.
     gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, MATMUL_DTYPE)
     up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, MATMUL_DTYPE)
     down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, MATMUL_DTYPE)
     # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math,
-    # rounded to MATMUL_DTYPE and written over the received rows (no second buffer of d R rows).
-    out = grouped_swiglu(received.reshape(d * R, M), listed.reshape(n, b), gate_w, up_w, down_w, ends, expected)
-    # Back here, in row order; kept for backward (R rows, not the d R of the buffers), else recomputed.
-    out = save_for_backward(ragged_all_to_all("d R M -> R M", out.reshape(d, R, M), sizes)[position])
-    out = jnp.einsum("skm,sk->sm", out.reshape(S, k, M), share(gates, 0.0))  # combine, in float32
+    # rounded to MATMUL_DTYPE and written over the received rows (no second buffer of d N rows).
+    out = grouped_swiglu(received.reshape(d * N, M), listed.reshape(n, b), gate_w, up_w, down_w, ends, expected)
+    # Back here, in row order; kept for backward (N rows, not the d N of the buffers), else recomputed.
+    out = save_for_backward(ragged_all_to_all("d N M -> N M", out.reshape(d, N, M), sizes)[position])
+    out = jnp.einsum("tkm,tk->tm", out.reshape(T, k, M), share(gates, 0.0))  # combine, in float32
     # Into the group's B L tokens, zeros in the others' shares: partial sums over t, as the dense SwiGLU's.
-    out = lax.dynamic_update_slice_in_dim(jnp.zeros((S * t, M), jnp.float32), out, first, 0)[:B * L]
+    out = lax.dynamic_update_slice_in_dim(jnp.zeros((T * t, M), jnp.float32), out, first, 0)[:B * L]
     # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / k x the
     # fraction of the row's choices that picked expert i (whole rows: a sum over c), P_i = expert i's mean
     # score, normalized over experts. Linear in P: each device adds its positions' share. Mean over rows.
