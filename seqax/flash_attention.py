@@ -29,8 +29,8 @@ LOWERINGS = {"gpu": flash_gpu, "tpu": flash_tpu}
 # What travels round the ring, in the model's layout: k, v (and their gradients), doc_start, row_position.
 KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")
 # Block sizes that compile for an H200 (D = 128) and a TPU v6e, untuned (no device to time them on):
-# on a GPU 64 x 64 up to 2 query heads per kv head, 32 x 64 beyond (at Q = 3 and 64 query rows the
-# backward kernel asks for 266,240 bytes of shared memory, over the H200's 232,448); on a TPU
+# on a GPU 64 x 64 up to 3 query heads per kv head, 32 x 64 beyond (at Q = 4 and 64 query rows the
+# backward kernels ask for 297,472 bytes of shared memory, over the H200's 232,448); on a TPU
 # 256 x 256 (v6e's matrix unit is 256 wide).
 GPU_BLOCK_Q, GPU_BLOCK_Q_MANY_HEADS, GPU_BLOCK_K, TPU_BLOCK = 64, 32, 64, 256
 
@@ -44,7 +44,7 @@ def tiling_for(platform: str, q_per_kv: int, attention_block: int, length: int) 
         block = math.gcd(TPU_BLOCK, attention_block)
         block = block if block % 128 == 0 else length
         return Tiling("tpu", block, block)
-    block_q = GPU_BLOCK_Q if q_per_kv <= 2 else GPU_BLOCK_Q_MANY_HEADS
+    block_q = GPU_BLOCK_Q if q_per_kv <= 3 else GPU_BLOCK_Q_MANY_HEADS
     return Tiling("gpu", math.gcd(block_q, attention_block), math.gcd(GPU_BLOCK_K, attention_block),
                   interpret=platform == "cpu")
 

@@ -55,14 +55,6 @@ def output(like, shape, dtype) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
 
-def zeros_varying_as(like, dtype):
-    """Zeros of `like`'s shape in `dtype`, varying over the mesh axes `like` varies over (a kernel's
-    buffer that it adds into, whose type its output takes)."""
-    varying = tuple(sorted(jax.typeof(like).manual_axis_type.varying))
-    zeros = jnp.zeros(like.shape, dtype)
-    return lax.pcast(zeros, varying, to="varying") if varying else zeros
-
-
 # ---------------------------------------------------------------------------------------------
 # Which block pairs to visit. For query block n, a contiguous run [first, stop) of key blocks;
 # the rest are never loaded or computed. A key block is skipped when all its keys lie after the
@@ -142,11 +134,6 @@ def matmul(a, b):
     return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
-def matmul_tn(a, b):
-    """a [n, m] transposed times b [n, d]: [m, d] in float32 (dS^T K from the transposed step's dS^T)."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=F32)
-
-
 def softmax_init(block_q: int, head_dim: int):
     """Running max (-inf: no key seen yet), denominator and numerator of one query head's block."""
     return jnp.full((block_q, 1), -jnp.inf, F32), jnp.zeros((block_q, 1), F32), jnp.zeros((block_q, head_dim), F32)
@@ -188,11 +175,10 @@ def dq_step(dq, q, do, lse, delta, k, v, mask, scale: float):
 
 
 def dkv_step(dk, dv, k, v, q, do, lse, delta, mask_t, scale: float):
-    """One query block (one query head) added to a key block's dk (unscaled) and dv; also returns
-    the scores' gradient dS^T [block_k, block_q] (in q's dtype), from which the GPU kernel adds this
-    pair's share of dq, dS K. Computed transposed, keys as rows: S^T = K Q^T [block_k, block_q], so
-    that dV += P^T dO and dK += dS^T Q are plain matmuls and lse, delta arrive as rows [1, block_q]."""
+    """One query block (one query head) added to a key block's dk (unscaled) and dv. Computed
+    transposed, keys as rows: S^T = K Q^T [block_k, block_q], so that dV += P^T dO and dK += dS^T Q
+    are plain matmuls and lse, delta arrive as rows [1, block_q]."""
     p_t = jnp.exp(jnp.where(mask_t, matmul_nt(k, q) * scale - lse, -jnp.inf))
     dv = dv + matmul(p_t.astype(do.dtype), do)
-    ds_t = (p_t * (matmul_nt(v, do) - delta)).astype(q.dtype)
-    return dk + matmul(ds_t, q), dv, ds_t
+    ds_t = p_t * (matmul_nt(v, do) - delta)
+    return dk + matmul(ds_t.astype(q.dtype), q), dv

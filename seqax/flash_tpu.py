@@ -119,7 +119,7 @@ def _dkv_kernel(first_ref, stop_ref, q_ref, do_ref, lse_ref, delta_ref, k_ref, v
         dk_dv = dk_scr[...], dv_scr[...]
         for h in range(heads):  # the Q heads of the group add into one dk, dv
             dk_dv = dkv_step(*dk_dv, k, v, q_ref[h], do_ref[h], lse_ref[pl.ds(h, 1), :], delta_ref[pl.ds(h, 1), :],
-                             mask_t, scale)[:2]  # dq has its own kernel here: Mosaic has no atomic add
+                             mask_t, scale)
         dk_scr[...], dv_scr[...] = dk_dv
 
     @pl.when(t == pl.num_programs(3) - 1)

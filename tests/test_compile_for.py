@@ -67,8 +67,7 @@ def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
     replaced by what the kernel computes, plus Newton-Schulz on the one device. Blockwise: every
     block pair on or below the diagonal, forward QK^T and PV, backward QK^T again, dV, dP, dQ and
     dK: 14 B H b^2 D a pair, N(N + 1)/2 pairs of N blocks. Pallas: the FLOPs its kernels state, the
-    same pairs of their own blocks with 2 block matmuls forward and 5 backward (QK^T again, dP, dV,
-    dK, dQ)."""
+    same pairs of their own blocks with 2 block matmuls forward, 3 for dq and 4 for dk and dv."""
     [row] = compile_for(tmp_path, "one", ["local_test_synthetic"], ["h200"], "mesh.d=1", "mesh.t=1",
                         f"model.attention_kernel={kernel}")
     cfg = load_config("local_test_synthetic", ["+paths.model_name=x", "mesh.d=1", "mesh.t=1"])
@@ -80,7 +79,7 @@ def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
         attention = h.layers * 14 * B * heads * b * b * h.d_head * N * (N + 1) / 2
     else:
         tiling = tiling_for("gpu", h.n_q_per_kv, b, L)
-        attention = h.layers * matmul_flops(B, L, h.n_q_per_kv, h.n_kv, h.d_head, L, tiling, matmuls=2 + 5)
+        attention = h.layers * matmul_flops(B, L, h.n_q_per_kv, h.n_kv, h.d_head, L, tiling, matmuls=2 + 3 + 4)
     model = train.model_flops_per_token(h, L) * B * L
     _, newton_schulz = train.newton_schulz_flops(h, 1)
     expected = model - attention_model + attention + newton_schulz
@@ -128,11 +127,12 @@ def test_the_pallas_kernels_compile_around_the_ring(tmp_path):
 
 def test_the_pallas_kernels_are_near_their_flops_bound_and_linear_in_memory(tmp_path):
     """bench/attention_for.py on one H200 with the 1b model's heads (4 x 4 of 128), one row: per the
-    roofline, the Pallas kernels' forward + backward at L = 8192 takes at most 1.5x causal
-    attention's FLOPs at the peak (7 block matmuls a pair against the 6 the count has, whole
-    diagonal blocks, delta and the float32 dq: 1.28x when written; 1.57x with a dq kernel of its
-    own), where blockwise takes over 10x; their temporary memory grows as L, from 2048 to 8192 at
-    most 4.5x."""
+    roofline, the Pallas kernels' forward + backward at L = 8192 takes at most 1.6x causal
+    attention's FLOPs at the peak (1.5x is what they compute: the backward recomputes the scores in
+    both of its kernels, 9 block matmuls a pair against the 6 the count has; 1.57 when written),
+    where blockwise takes over 10x; their temporary memory grows as L, from 2048 to 8192 at most
+    4.5x. (A fused backward that added dq with atomics priced 1.28x here and ran 2.9x slower on an
+    H200, 2026-12-04: the roofline does not price atomics, docs/flash-attention.md.)"""
     rows = tmp_path / "rows.json"
     command = [COMPILERS_PYTHON, "-m", "bench.attention_for", "--target", "h200", "--models", "1b", "--lengths",
                "2048", "8192", "--json", str(rows)]
@@ -140,7 +140,7 @@ def test_the_pallas_kernels_are_near_their_flops_bound_and_linear_in_memory(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     found = {(row["method"], row["length"]): row for row in json.loads(rows.read_text())}
     pallas, blockwise = found["pallas", 8192], found["blockwise", 8192]
-    assert 7 / 6 < pallas["roofline_seconds"] / pallas["bound_seconds"] <= 1.5, pallas
+    assert 1.5 < pallas["roofline_seconds"] / pallas["bound_seconds"] < 1.6, pallas
     assert blockwise["roofline_seconds"] / blockwise["bound_seconds"] > 10, blockwise
     assert 0 < pallas["temp_bytes"] <= 4.5 * found["pallas", 2048]["temp_bytes"]
 
