@@ -512,6 +512,30 @@ def test_ragged_all_to_all_sends_each_device_its_rows_and_brings_them_back(dtype
     np.testing.assert_array_equal(grad.reshape(d, R, M), expected_grad)
 
 
+def test_ragged_all_to_all_over_one_device_keeps_the_rows_sent_and_zeros_the_rest():
+    """Over an axis of one device (d=1 t=8) nothing is exchanged: the slot holds the first sizes[0]
+    rows, zeros after, and the way back returns them where they were; the gradient is the cotangent's
+    first rows."""
+    R, M = 5, 3
+    x, c = rand(8 * R, M), rand(8 * R, M)
+    sizes = np.array([3, 0, 5, 1, 2, 4, 5, 0], np.int32)  # each t device's rows to send
+
+    @typed_shard_map
+    def exchange(x: f32[b"R/d/t M"], sizes: i32[b"D/d/t"], c: f32[b"R/d/t M"]) -> tuple[
+            f32[b"R/d/t M"], f32[b"R/d/t M"], f32[b"R/d/t M"]]:
+        slots = shardops.ragged_all_to_all("R M -> d R M", x, sizes)
+        back = shardops.ragged_all_to_all("d R M -> R M", slots, sizes)
+        loss = lambda x: jnp.sum(shardops.ragged_all_to_all("R M -> d R M", x, sizes)[0] * c)  # noqa: E731
+        return slots[0], back, jax.grad(loss)(x)
+
+    with jax.set_mesh(make_mesh(1, 8)):
+        slots, back, grad = (np.asarray(a).reshape(8, R, M) for a in jax.jit(exchange)(x, sizes, c))
+    sent = (np.arange(R)[None, :] < sizes[:, None])[..., None]
+    np.testing.assert_array_equal(slots, np.where(sent, x.reshape(8, R, M), 0))
+    np.testing.assert_array_equal(back, slots)
+    np.testing.assert_array_equal(grad, np.where(sent, c.reshape(8, R, M), 0))
+
+
 @pytest.mark.parametrize(
     "spec,message",
     [

@@ -448,7 +448,9 @@ def ragged_all_to_all(spec: str, x, sizes):
     device's sizes as a sender of the first exchange). Each is the other's gradient.
 
     On GPUs and TPUs one ragged collective moves only the real rows; XLA:CPU has none, so there each
-    device sends a whole slot of R rows to every device (d times the bytes, the same result)."""
+    device sends a whole slot of R rows to every device (d times the bytes, the same result). Over an
+    axis of one device nothing moves: the rows stay (XLA's ragged kernel on a GPU copied them at
+    about 3 GB/s, 2026-12-04 on an H200: 1.4 s of a 1.7 s step)."""
     op = "ragged_all_to_all"
     src, dst = _parse(spec, op)
     src = src[0]
@@ -479,9 +481,16 @@ def _starts(sizes):
     return jnp.cumsum(sizes) - sizes
 
 
+def _first_rows(x, n):  # x's first n rows, zeros after
+    kept = (jnp.arange(x.shape[0]) < n).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(kept, x, jnp.zeros((), x.dtype))
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _send_rows(x, sizes, axis):
     R, d = x.shape[0], sizes.shape[0]
+    if d == 1:  # the rows stay here: the first sizes[0] of them, zeros after
+        return _varying(_first_rows(x, sizes[0])[None], {axis})
     starts, received = _starts(sizes), _exchange(sizes, axis)
 
     def fixed(x):  # XLA:CPU: a whole slot to every device
@@ -502,6 +511,8 @@ def _send_rows(x, sizes, axis):
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _return_rows(y, sizes, axis):
     d, R = y.shape[:2]
+    if d == 1:
+        return _varying(_first_rows(y[0], sizes[0]), {axis})
     starts, received = _starts(sizes), _exchange(sizes, axis)
 
     def fixed(y):
