@@ -58,8 +58,10 @@ KINDS = ("matmuls", "attention", "elementwise, norms, converts", "experts: matmu
 # What an elementwise kernel is made of (the op its code named): inside routed_experts these are the
 # experts' SwiGLU and roundings, as the dense SwiGLU's; the rest there moves rows (the dispatch).
 ELEMENTWISE = ("convert_element_type", "mul", "add", "sub", "logistic", "exp", "div", "neg", "max", "min")
-# The compilers, by platform: the package that holds each (requirements-compilers.txt).
-COMPILERS = {"cuda": ("jax_plugins.xla_cuda12", "jax-cuda12-plugin and jax-cuda12-pjrt"), "tpu": ("libtpu", "libtpu")}
+# The compilers, by platform: the modules that may hold each (any one will do) and its packages
+# (requirements-compilers.txt pins CUDA 12's; jax 0.11 on the lent GPU machine has CUDA 13's).
+COMPILERS = {"cuda": (("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"), "jax-cuda12-plugin and jax-cuda12-pjrt"),
+             "tpu": (("libtpu",), "libtpu")}
 
 
 class CompilerError(SeqaxError):
@@ -93,8 +95,8 @@ def where(kernel: roofline.Kernel) -> str:
 
 def target_devices(target: Target, devices: int):
     """The devices of `devices` `target`s (a topology: JAX makes them without hardware)."""
-    module, package = COMPILERS[target.platform]
-    if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
+    modules, package = COMPILERS[target.platform]
+    if not any(importlib.util.find_spec(m.split(".")[0]) and importlib.util.find_spec(m) for m in modules):
         raise CompilerError(f"the {target.platform.upper()} compiler ({package}) is not installed in this venv; "
                             "run `make compilers` and use .venv-compilers/bin/python")
     name, options = target.topology(devices)

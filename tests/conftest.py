@@ -39,8 +39,12 @@ THREAD_EXIT_SECONDS = 5  # how long a test's threads may take to finish after it
 LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
 # Environment variables that pytest or a library sets for itself on import: torch; scikit-learn
 # (lm-eval's, which `datasets` imports where it is installed); JAX's Mosaic GPU, which Pallas imports
-# when it first lowers a kernel.
-OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "MOSAIC_GPU_CUDA_ROOT")
+# when it first lowers a kernel (its MOSAIC_GPU_* paths: jax 0.11 with a CUDA plugin sets several).
+OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "MOSAIC_GPU_")
+
+
+def own_variable(name: str) -> bool:
+    return name.startswith(OWN_VARIABLES)
 # Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
 PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
 
@@ -56,7 +60,7 @@ def functions() -> dict:
 
 def process_state() -> dict:
     return {
-        "environment variables": {k: v for k, v in os.environ.items() if k not in OWN_VARIABLES},
+        "environment variables": {k: v for k, v in os.environ.items() if not own_variable(k)},
         "working directory": os.getcwd(),
         "SIGTERM handler": signal.getsignal(signal.SIGTERM),
         "SIGINT handler": signal.getsignal(signal.SIGINT),
@@ -83,7 +87,7 @@ def changes(before: dict, after: dict) -> list[str]:
 
 def restore(state: dict):
     """Puts back what process_state() recorded, so that one leak fails one test, not every later one."""
-    own = {k: v for k, v in os.environ.items() if k in OWN_VARIABLES}
+    own = {k: v for k, v in os.environ.items() if own_variable(k)}
     os.environ.clear()
     os.environ.update(state["environment variables"], **own)
     os.chdir(state["working directory"])

@@ -1,8 +1,10 @@
 """The benchmarks: bench/throughput.py's rows and table (a config per child process, skipped,
 failed, timed-out and not-run rows), bench/gpu/gpu.sh end to end on CPU and its fail-fast checks,
+bench/profile_step.py on a real trace,
 and the ladder configs (complete, valid, the size their names say, and fitting their accelerator
 with room to spare). bench/compare_commits.py against HEAD."""
 
+import gzip
 import json
 import math
 import os
@@ -122,6 +124,28 @@ def test_gpu_sh_fails_fast_with_the_reason_of_an_unforeseen_failure(tmp_path):
 def run_throughput(*args):
     return subprocess.run([sys.executable, "-m", "bench.throughput", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=240)
+
+
+@pytest.mark.slow
+def test_profile_step_sums_a_real_trace_and_keeps_it(tmp_path):
+    """bench/profile_step.py on one CPU device: two traced steps summed per timeline (a CPU's trace has
+    no device, so the host's timelines), whose totals add up to every complete event of the trace
+    it keeps; the trace and the step's HLO copied to --out."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "bench.profile_step", "--config", "local_test_synthetic", "--top",
+                             "3", "--out", str(out), "--", *TINY_ONE_DEVICE.split()], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^traced 2 step\(s\): [\d.]+ ms a step by the host's clock$", result.stdout, re.M), result.stdout
+    totals = [float(ms) for ms in re.findall(r"^\S.*: ([\d.]+) ms a step in \d+ events a step, \d+ names$",
+                                            result.stdout, re.M)]
+    with gzip.open(out / "local_test_synthetic.trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    traced = sum(e.get("dur", 0) for e in events if e.get("ph") == "X") / 1e3 / 2
+    assert totals and traced > 0
+    assert sum(totals) == pytest.approx(traced, abs=0.05 * len(totals) + 1e-3 * traced)
+    with gzip.open(out / "local_test_synthetic.hlo.txt.gz", "rt") as f:
+        assert "ENTRY" in f.read()
 
 
 @pytest.mark.slow

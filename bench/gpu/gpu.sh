@@ -2,8 +2,9 @@
 # Throughput of the 1-GPU ladder (configs/gpu1_125m, gpu1_350m, gpu1_1b, gpu1_2b, smallest first)
 # on this machine's GPU within 8 minutes in all: bench/throughput.py's table, printed last.
 # Written for the lent H200 machine (python3 with jax 0.11.2 and CUDA 13, no internet) and meant
-# for any machine with a GPU and JAX, but so far run end to end only on CPU (tests/test_bench.py,
-# jax 0.10.2): nothing of seqax has run on a GPU yet.
+# for any machine with a GPU and JAX; run there on 2026-12-04 (docs/performance.md, "GPU and TPU:
+# measured"), and end to end on CPU by tests/test_bench.py. bench/gpu/device_run.sh runs it with
+# the GPU's other checks.
 #
 #   bash bench/gpu/gpu_wheels.sh    # once, where pip reaches PyPI: the wheels the H200 image lacks, into .whl/
 #   bash bench/gpu/gpu.sh           # on the GPU machine, with .whl carried along with the working tree
@@ -44,14 +45,13 @@ fail() {
     exit 1
 }
 
-# JAX preallocates 75% of the GPU's memory by default: 104 GiB of an H200's 139. gpu1_1b and
-# gpu1_2b are estimated at 81 and 78 GiB before XLA's temporaries (never measured on a GPU), so
-# as a precaution the pool is larger. 90% (NVIDIA's usual setting) leaves the rest to
-# CUDA, cuBLAS and cuDNN. The peak memory in the table is what the step used, not this pool.
+# JAX preallocates 75% of the GPU's memory by default: 104 GiB of an H200's 139, and gpu1_1b
+# peaked at 111.2 GiB on one (2026-12-04), so the pool is larger. 90% (NVIDIA's usual setting)
+# leaves the rest to CUDA, cuBLAS and cuDNN. The peak memory in the table is what the step used, not this pool.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}
 # The latency-hiding scheduler overlaps collectives with computation (FSDP's all-gathers and
 # reduce-scatters on several GPUs; NVIDIA's JAX images set it); with one GPU it changes nothing.
-# Only flags that jaxlib 0.10 knows (0.11 is expected to; not yet run): XLA aborts on an unknown
+# Only flags that jaxlib 0.10 and 0.11 know (0.11.2 ran it on an H200): XLA aborts on an unknown
 # flag, which bench.gpu.gpu_check reports within seconds.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 export PYTHONUNBUFFERED=1

@@ -13,9 +13,9 @@ import os
 import re
 import sys
 
-# The oldest jax that seqax is tested with (0.10.2, on CPU; the lent H200 machine has 0.11.2, with
-# which nothing has run yet). The code needs jax.shard_map with check_vma, jax.set_mesh, lax.pcast
-# and explicit mesh axis types.
+# The oldest jax that seqax is tested with (0.10.2, on CPU; the lent H200 machine has 0.11.2, which
+# ran the benchmarks and tests/test_gpu.py there on 2026-12-04). The code needs jax.shard_map with
+# check_vma, jax.set_mesh, lax.pcast and explicit mesh axis types.
 MIN_JAX = (0, 10)
 
 # pip's name for a module whose package is named differently.
