@@ -3,12 +3,15 @@
 
     .venv/bin/python -m bench.attention [--batch 4 --heads 8 --kv-heads 2 --d-head 64]
         [--lengths 512 1024 2048] [--blocks 128 256 512] [--methods dense blockwise ...] [--repeats 5]
+        [--documents 4]
 
 Methods: dense (attention.dense_attention, every score of a row materialized), blockwise
 (attention.ring_attention on a ring of one device, blocks of each --blocks), pallas (the flash
 kernels of flash_attention.py, blocks chosen for the platform), cudnn
 (jax.nn.dot_product_attention's cuDNN kernel, causal only: no documents; the speed anchor on a
-GPU). Inputs are random bfloat16 with about four documents a row. By default, the methods the
+GPU). Inputs are random bfloat16 with about --documents documents a row (4; with 1, every row one
+document: all the causal pairs, the work cuDNN's kernel does, whose FLOP rate is printed too:
+6 B Q K L^2 D FLOPs over the time). By default, the methods the
 device runs fast: dense and blockwise on a CPU, blockwise, pallas and cudnn on a GPU, blockwise
 and pallas on a TPU.
 
@@ -31,12 +34,12 @@ DEFAULT_METHODS = {"cpu": ("dense", "blockwise"), "gpu": ("blockwise", "pallas",
                    "tpu": ("blockwise", "pallas")}
 
 
-def attention_inputs(B: int, L: int, Q: int, K: int, D: int):
+def attention_inputs(B: int, L: int, Q: int, K: int, D: int, documents: int = 4):
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, L, Q, K, D)), jnp.bfloat16)
     k = jnp.asarray(rng.normal(size=(B, L, K, D)), jnp.bfloat16)
     v = jnp.asarray(rng.normal(size=(B, L, K, D)), jnp.bfloat16)
-    starts = rng.random((B, L)) < 4 / L  # about four documents per row
+    starts = rng.random((B, L)) < (documents - 1) / L  # about `documents` documents per row
     starts[:, 0] = True
     doc_start, _ = train.document_positions(jnp.asarray(starts))
     return q, k, v, doc_start
@@ -100,10 +103,14 @@ def on_this_device(args):
     mesh = train.make_mesh(1, 1, devices=jax.devices()[:1])
     methods = args.methods or DEFAULT_METHODS[jax.devices()[0].platform]
     print(f"device {jax.devices()[0].device_kind}; batch {args.batch}, {args.heads} query heads, "
-          f"{args.kv_heads} kv heads, d_head {args.d_head}")
-    print(f"{'L':>6} {'method':>16} {'fwd+bwd ms':>11} {'speed-up':>9} {'temp MiB':>9}")
+          f"{args.kv_heads} kv heads, d_head {args.d_head}, about {args.documents} document(s) a row")
+    causal = args.documents == 1
+    header = f"{'L':>6} {'method':>16} {'fwd+bwd ms':>11} {'speed-up':>9} {'temp MiB':>9}"
+    print(header + (" TFLOP/s" if causal else ""))
     for L in args.lengths:
-        inputs = attention_inputs(args.batch, L, args.heads // args.kv_heads, args.kv_heads, args.d_head)
+        inputs = attention_inputs(args.batch, L, args.heads // args.kv_heads, args.kv_heads, args.d_head,
+                                  args.documents)
+        flops = 6 * args.batch * args.heads * L * L * args.d_head  # causal attention, forward + backward
         first = None
         for name in methods:
             for block in args.blocks if name == "blockwise" else [max(b for b in args.blocks if L % b == 0)]:
@@ -112,7 +119,8 @@ def on_this_device(args):
                 seconds, temp = measure(value_and_grad(method(name, block, mesh)), inputs, args.repeats)
                 first = first or seconds
                 label = f"{name} {block}" if name == "blockwise" else name
-                print(f"{L:>6} {label:>16} {seconds * 1e3:>11.1f} {first / seconds:>8.2f}x {temp / 2**20:>9.1f}",
+                rate = f" {flops / seconds / 1e12:>7.1f}" if causal else ""
+                print(f"{L:>6} {label:>16} {seconds * 1e3:>11.1f} {first / seconds:>8.2f}x {temp / 2**20:>9.1f}{rate}",
                       flush=True)
 
 
@@ -126,7 +134,10 @@ def main(argv=None):
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--methods", nargs="+", choices=["dense", "blockwise", "pallas", "cudnn"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--documents", type=int, default=4, help="documents a row, about (1: causal only)")
     args = parser.parse_args(argv)
+    if args.documents < 1:
+        parser.error(f"--documents {args.documents} must be at least 1")
     if args.heads % args.kv_heads:
         parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     on_this_device(args)

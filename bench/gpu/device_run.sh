@@ -7,7 +7,8 @@
 #   3. the mixture of experts against dense on one GPU (gpu8_1b_moe and gpu1_1b cut to 10 layers and
 #      one GPU's batch of 24: the same active FLOPs per token);
 #   4. the rest of the 1-GPU ladder (gpu1_2b, gpu1_125m, gpu1_350m) as long as time is left;
-#   5. attention alone (bench/attention.py: ours, blockwise, cuDNN's causal kernel as the anchor).
+#   5. attention alone (bench/attention.py: ours, cuDNN's causal kernel as the anchor, blockwise), one
+#      document a row, so that ours does cuDNN's work.
 # Each part has a time limit of its own, so that a part that hangs or fails leaves the others their time.
 # Everything printed is kept in $OUT/run.log; the tables as Markdown, the rows as JSON.
 #
@@ -50,6 +51,6 @@ part "the rest of the ladder"
 ladder ladder_rest 120 "gpu1_2b gpu1_125m gpu1_350m"
 
 part "attention alone, forward and backward"
-timeout 45 "$PYTHON" -m bench.attention --batch 2 --heads 16 --kv-heads 4 --d-head 128 --lengths 2048 8192 \
-    --methods pallas blockwise cudnn 2>&1 | tee "$OUT/attention.txt"
+timeout 60 "$PYTHON" -m bench.attention --batch 8 --heads 16 --kv-heads 4 --d-head 128 --lengths 2048 8192 \
+    --documents 1 --methods pallas cudnn blockwise 2>&1 | tee "$OUT/attention.txt"
 part "done"
