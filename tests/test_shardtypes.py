@@ -207,6 +207,28 @@ def test_masked_leaves_may_be_absent_and_the_present_ones_are_checked():
     assert shapes.moments.embed is None and shapes.moments.blocks.w.sharding == placed.moments.blocks.w.sharding
 
 
+def test_arrays_of_no_elements_pass_through_typed_shard_map():
+    """Arrays of no elements (a dense model's experts) go in and come out of typed_shard_map with
+    their shapes and dtypes, inside with their per-device shapes, beside ordinary arrays computed as
+    usual and absent Masked leaves left absent. (typed_shard_map makes them inside and outside
+    instead of passing them through, which crashes jax 0.11.2's partitioner on several devices.)"""
+
+    @typed_shard_map
+    def step(state: TwoStates, x: f32[b"B/d X"]) -> tuple[TwoStates, f32[b"B/d X"], f32[b"E/d X"]]:
+        assert state.net.blocks.w.shape == (3, 0, 3) and x.shape == (2, 5)
+        doubled = jax.tree.map(lambda a: a * 2, state)
+        return doubled, x + jnp.sum(state.net.blocks.norm), jnp.zeros((0, 5)) + jnp.sum(x)
+
+    net = Net(jnp.ones((8, 0), jnp.bfloat16), Block(jnp.zeros((3, 0, 6)), jnp.ones((3, 0))), jnp.ones((), jnp.uint32))
+    only_w = Net(None, Block(jnp.zeros((3, 0, 6)), None), None)
+    with jax.set_mesh(make_mesh(4, 2)):
+        state, y, empty = jax.jit(step)(TwoStates(net, only_w), jnp.ones((8, 5)))
+    assert state.net.embed.shape == (8, 0) and state.net.embed.dtype == jnp.bfloat16
+    assert state.net.blocks.w.shape == (3, 0, 6) and state.net.blocks.norm.shape == (3, 0)
+    assert int(state.net.step) == 2 and state.moments.embed is None and state.moments.blocks.w.shape == (3, 0, 6)
+    assert y.shape == (8, 5) and bool(jnp.all(y == 1.0)) and empty.shape == (0, 5) and empty.dtype == jnp.float32
+
+
 def test_masked_takes_only_a_pytree_dataclass():
     with pytest.raises(ShapeError, match="Masked"):
         Masked[f32[b"M"]]

@@ -243,7 +243,8 @@ def zeros_after(shape, dtype, *values):
     """Zeros that exist only once `values` do. A buffer of zeros depends on nothing, so XLA may create
     it anywhere, and on a GPU it gathers those of every layer into one kernel at the start: all of
     them alive at once. Tied to the values it is made where it is used. Typed as varying as they are."""
-    zero = lax.optimization_barrier((jnp.zeros((), dtype), values))[0]
+    held = [v for v in jax.tree.leaves(values) if v.size]
+    zero = lax.optimization_barrier((jnp.zeros((), dtype), held))[0] if held else jnp.zeros((), dtype)
     return vary_as(jnp.broadcast_to(zero, shape), *values)
 
 

@@ -16,6 +16,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import math
 import typing
 
 import jax
@@ -340,8 +341,59 @@ def typed_shard_map(f, mesh: jax.sharding.Mesh | None = None):
             raise ShapeError(f"typed_shard_map: argument {name!r} of {_name(f)} has no annotation")
     in_specs = tuple(make_partition_specs(p.annotation) for p in signature.parameters.values())
     out_specs = make_partition_specs(signature.return_annotation)
-    kwargs = {} if mesh is None else {"mesh": mesh}
-    return jax.shard_map(typechecked(f), in_specs=in_specs, out_specs=out_specs, **kwargs)
+    checked = typechecked(f)
+
+    @functools.wraps(f)
+    def mapped(*args):
+        return _without_empty_arrays(checked, mesh or jax.sharding.get_abstract_mesh(), in_specs, out_specs, args)
+
+    return mapped
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _without_empty_arrays(f, mesh, in_specs, out_specs, args):
+    """jax.shard_map(f)(*args), with the arrays of no elements made inside and outside instead of
+    passed through: they hold no data, and jax 0.11's partitioner (Shardy) crashes compiling, over
+    several devices, a shard_map that an array of no elements flows through (a segfault, jax
+    0.11.2; a dense model's experts are such arrays). Inside, each is zeros of its per-device shape,
+    varying over its spec's mesh axes; outside, zeros of its global shape."""
+    in_tree = jax.tree.structure(in_specs, is_leaf=_is_spec)
+    parts = in_tree.flatten_up_to(args)  # an array, or None where a Masked leaf is absent
+    specs = jax.tree.leaves(in_specs, is_leaf=_is_spec)
+    empty = {i: x for i, x in enumerate(parts) if x is not None and x.size == 0}
+    if not empty:
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args)
+    kept = [i for i in range(len(parts)) if i not in empty]
+    out_tree = jax.tree.structure(out_specs, is_leaf=_is_spec)
+    out_specs_flat = jax.tree.leaves(out_specs, is_leaf=_is_spec)
+
+    def call(*kept_parts):
+        whole = dict(zip(kept, kept_parts))
+        for i, x in empty.items():
+            local = jnp.zeros(NamedSharding(mesh, specs[i]).shard_shape(x.shape), x.dtype)
+            axes = tuple(sorted(set(spec_axes(specs[i]))))
+            whole[i] = jax.lax.pcast(local, axes, to="varying") if axes else local
+        return out_tree.flatten_up_to(f(*in_tree.unflatten([whole[i] for i in range(len(parts))])))
+
+    def shard_mapped(out_index):
+        def selected(*a):
+            outs = call(*a)
+            return [outs[j] for j in out_index]
+
+        return jax.shard_map(selected, mesh=mesh,
+                             in_specs=tuple(specs[i] for i in kept),
+                             out_specs=[out_specs_flat[j] for j in out_index])
+
+    every_out = list(range(len(out_specs_flat)))
+    shapes = jax.eval_shape(shard_mapped(every_out), *(parts[i] for i in kept))
+    out_kept = [j for j in every_out if shapes[j] is not None and math.prod(shapes[j].shape) > 0]
+    results = dict(zip(out_kept, shard_mapped(out_kept)(*(parts[i] for i in kept))))
+    outs = [results[j] if j in results else None if shapes[j] is None else jnp.zeros(shapes[j].shape, shapes[j].dtype)
+            for j in every_out]
+    return out_tree.unflatten(outs)
 
 
 __all__ = [
