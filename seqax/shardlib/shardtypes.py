@@ -345,7 +345,8 @@ def typed_shard_map(f, mesh: jax.sharding.Mesh | None = None):
 
     @functools.wraps(f)
     def mapped(*args):
-        return _without_empty_arrays(checked, mesh or jax.sharding.get_abstract_mesh(), in_specs, out_specs, args)
+        the_mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+        return _without_empty_arrays(checked, the_mesh, in_specs, out_specs, args)
 
     return mapped
 
@@ -359,7 +360,9 @@ def _without_empty_arrays(f, mesh, in_specs, out_specs, args):
     passed through: they hold no data, and jax 0.11's partitioner (Shardy) crashes compiling, over
     several devices, a shard_map that an array of no elements flows through (a segfault, jax
     0.11.2; a dense model's experts are such arrays). Inside, each is zeros of its per-device shape,
-    varying over its spec's mesh axes; outside, zeros of its global shape."""
+    varying over its spec's mesh axes; outside, zeros of its global shape. Which outputs are empty is
+    known only from f's result, so f is traced twice where an argument is empty (jax.eval_shape
+    first: about a second for gpu1_1b's step), and once where none is."""
     in_tree = jax.tree.structure(in_specs, is_leaf=_is_spec)
     parts = in_tree.flatten_up_to(args)  # an array, or None where a Masked leaf is absent
     specs = jax.tree.leaves(in_specs, is_leaf=_is_spec)
