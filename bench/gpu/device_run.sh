@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is for, in one run of at most 8.5 minutes (device time is short: README, "On a GPU"):
+# Everything a lent GPU is for, in one run of at most 9 minutes (device time is short; docs/performance.md,
+# "GPU and TPU: measured"):
 #   1. gpu1_1b's throughput (bench/gpu/gpu.sh's table: step time, MFU, peak memory, the roofline's
 #      prediction beside the measurement);
 #   2. the checks only a GPU can make (tests/test_gpu.py; the MoE dispatch and a training step with the
@@ -48,7 +49,7 @@ part "mixture of experts against dense, 10 layers, batch 24"
 ladder moe 120 "gpu8_1b_moe gpu1_1b" "mesh.d=1 training.tokens.batch=24 model.layers=10"
 
 part "the rest of the ladder"
-ladder ladder_rest 120 "gpu1_2b gpu1_125m gpu1_350m"
+ladder ladder_rest 150 "gpu1_2b gpu1_125m gpu1_350m"
 
 part "attention alone, forward and backward"
 timeout 60 "$PYTHON" -m bench.attention --batch 8 --heads 16 --kv-heads 4 --d-head 128 --lengths 2048 8192 \
