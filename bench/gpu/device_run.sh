@@ -22,7 +22,8 @@ OUT=${OUT:-$(mktemp -d)}
 exec > >(tee "$OUT/run.log") 2>&1
 export PYTHONUNBUFFERED=1
 
-"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/seqax-site .whl/*.whl \
+"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/seqax-site .whl/*.whl \
     || { echo "device_run.sh: the wheels in .whl do not install: run bash bench/gpu/gpu_wheels.sh here first"; exit 1; }
 export PYTHONPATH=/tmp/seqax-site${PYTHONPATH:+:$PYTHONPATH}
 # gpu.sh installs .whl itself where it is a folder; here they are installed once for every part.
