@@ -49,19 +49,27 @@ def random_batch(cfg: config.Config, mesh):
     return tuple(jax.device_put(x, sharding) for x in random_tokens(cfg))
 
 
-def time_steps(cfg: config.Config, steps: int, warmup: int):
-    """Compiles the training step ahead of time, then times warmup + steps steps.
-    Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
+def compiled_step(cfg: config.Config):
+    """The training step compiled ahead of time for cfg's mesh on this machine's first devices, a
+    fresh state and a random batch: (mesh, the compiled step, state, batch, compile seconds). Run
+    the step inside `jax.set_mesh(mesh)`."""
     mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c,
                            devices=jax.devices()[: cfg.mesh.d * cfg.mesh.t * cfg.mesh.c])
     batch = random_batch(cfg, mesh)
-    times = []
     with jax.set_mesh(mesh):
         state = train.init_state(cfg, mesh)
         started = time.perf_counter()
         step_fn = compile_step(train.training_step, cfg, state, mesh)
-        compile_seconds = time.perf_counter() - started
-        progress(f"compiled in {compile_seconds:.1f} s")
+    return mesh, step_fn, state, batch, time.perf_counter() - started
+
+
+def time_steps(cfg: config.Config, steps: int, warmup: int):
+    """Compiles the training step ahead of time, then times warmup + steps steps.
+    Returns (the compiled step, compile seconds, the times of the last `steps` steps)."""
+    mesh, step_fn, state, batch, compile_seconds = compiled_step(cfg)
+    progress(f"compiled in {compile_seconds:.1f} s")
+    times = []
+    with jax.set_mesh(mesh):
         for step in range(warmup + steps):
             start = time.perf_counter()
             state, metrics = step_fn(state, jnp.uint32(step), *batch)

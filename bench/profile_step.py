@@ -27,21 +27,16 @@ import jax
 import jax.numpy as jnp
 
 import train
-from bench.measure_step import random_batch
+from bench.measure_step import compiled_step
 from seqax import config
-from seqax.startup_report import compile_step
 from seqax.validation import validate_config
 
 
 def traced_steps(cfg: config.Config, steps: int, trace_dir: str) -> tuple[object, float]:
     """Compiles the step, runs two untraced, then traces `steps`. Returns (the compiled step, the
     traced steps' wall-clock seconds)."""
-    mesh = train.make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c,
-                           devices=jax.devices()[: cfg.mesh.d * cfg.mesh.t * cfg.mesh.c])
-    batch = random_batch(cfg, mesh)
+    mesh, step_fn, state, batch, _ = compiled_step(cfg)
     with jax.set_mesh(mesh):
-        state = train.init_state(cfg, mesh)
-        step_fn = compile_step(train.training_step, cfg, state, mesh)
         for step in range(2):
             state, metrics = step_fn(state, jnp.uint32(step), *batch)
         jax.block_until_ready((state, metrics))
