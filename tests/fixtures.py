@@ -215,17 +215,31 @@ def child_env(devices: int | None = 8, cache=None, graph: bool = True) -> dict:
     return env
 
 
-def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600,
-              graph: bool = True) -> subprocess.CompletedProcess:
-    """`python -m train ARGS` to its end, its output captured as text (`graph`: see child_env)."""
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph),
+# `python -m train` with train's matmuls in float32 (what float32_matmuls does in this process): runs on two
+# meshes compared where only the order of float32 sums may differ. In bf16 any step after the first drifts
+# between meshes by up to a few 1e-4, by how much depending on the CPU that rounds (test_optimizer's
+# test_training_steps_agree_on_every_mesh).
+FLOAT32_TRAIN = "import jax.numpy, train; train.MATMUL_DTYPE = jax.numpy.float32; train.main()"
+
+
+def train_command(args: list[str], float32: bool) -> list[str]:
+    """The command line of `python -m train ARGS`, its matmuls in float32 if `float32` (FLOAT32_TRAIN)."""
+    return [sys.executable, *(["-c", FLOAT32_TRAIN] if float32 else ["-m", "train"]), *args]
+
+
+def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600, graph: bool = True,
+              float32: bool = False) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` to its end, its output captured as text (`graph`: see child_env; `float32`:
+    train_command)."""
+    return subprocess.run(train_command(args, float32), cwd=ROOT, env=child_env(devices, cache, graph),
                           capture_output=True, text=True, timeout=timeout)
 
 
-def start_train(args: list[str], devices: int = 8, cache=None, graph: bool = True, **popen) -> subprocess.Popen:
-    """`python -m train ARGS` started in the background (Popen keywords in `popen`; `graph`: see child_env)."""
-    return subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT, env=child_env(devices, cache, graph),
-                            **popen)
+def start_train(args: list[str], devices: int = 8, cache=None, graph: bool = True, float32: bool = False,
+                **popen) -> subprocess.Popen:
+    """`python -m train ARGS` started in the background (Popen keywords in `popen`; `graph`: see child_env;
+    `float32`: train_command)."""
+    return subprocess.Popen(train_command(args, float32), cwd=ROOT, env=child_env(devices, cache, graph), **popen)
 
 
 def run_processes(script: str, n: int, *args: str, timeout: int = 120) -> list[str]:
