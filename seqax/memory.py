@@ -15,6 +15,7 @@ import typing
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import print_saved_residuals
+from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
 from seqax import hlo
@@ -92,6 +93,7 @@ class LayerMemory:
     saved: list[str]  # print_saved_residuals lines of one layer (see layer_saved_values)
     logits: jax.ShapeDtypeStruct  # one device's logits
     ring_bytes: int  # the largest set of blocks one ring step sends and receives (0 without mesh.c > 1)
+    weight_bytes: int  # one layer's weights as its matmuls read them, and their f32 gradient (used_weight_bytes)
 
 
 def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
@@ -101,7 +103,8 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     attention has in flight, and the logits. `layer` is the layer as the step runs it
     (train.training_layer with the model config bound): every argument's shape and sharding come
     from its annotation, the weights' from `state` (arrays or ShapeDtypeStructs); the logits' from
-    the first of `forward`'s return annotations (train.forward: logits, routing)."""
+    the first of `forward`'s return annotations (train.forward: logits, routing). The weights as the layer
+    uses them are read from its program (used_weight_bytes: the experts stay split over d)."""
     sizes = dimension_sizes(cfg)
     _, stacked = stacked_layers(state.weights)
 
@@ -109,13 +112,17 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
         return jax.ShapeDtypeStruct(w.shape[1:], w.dtype,
                                     sharding=NamedSharding(mesh, PartitionSpec(*w.sharding.spec[1:])))
 
-    args = tuple(jax.tree.map(one_layer, stacked) if not isinstance(p.annotation, ArrayType)
-            else annotated(p.annotation, sizes, mesh) for p in inspect.signature(layer).parameters.values())
-    lines, ring = [], []
+    parameters = inspect.signature(layer).parameters.values()
+    is_weights = [not isinstance(p.annotation, ArrayType) for p in parameters]
+    args = tuple(jax.tree.map(one_layer, stacked) if weights else annotated(p.annotation, sizes, mesh)
+                 for p, weights in zip(parameters, is_weights))
+    weight_leaves = jax.tree.leaves(tuple(jax.tree.map(lambda _, w=w: w, a) for a, w in zip(args, is_weights)))
+    lines, ring, weight_bytes = [], [], []
 
     def probe(*args):  # inside shard_map, so that the shapes are per device
         checkpointed = explicit_activation_checkpointing(layer)
         lines.extend(saved_residuals(checkpointed, *args))
+        weight_bytes.append(used_weight_bytes(jax.make_jaxpr(checkpointed)(*args).jaxpr, weight_leaves))
         out, pullback = jax.vjp(checkpointed, *args)
         ring.append(2 * largest_ring_step(jax.make_jaxpr(pullback)(out).jaxpr))  # sent and received
         return jnp.zeros(())
@@ -123,7 +130,8 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     specs = jax.tree.map(lambda a: a.sharding.spec, args)
     jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
     logits = annotated(typing.get_args(inspect.signature(forward).return_annotation)[0], sizes, mesh)
-    return LayerMemory(lines, jax.ShapeDtypeStruct(logits.sharding.shard_shape(logits.shape), logits.dtype), ring[0])
+    return LayerMemory(lines, jax.ShapeDtypeStruct(logits.sharding.shard_shape(logits.shape), logits.dtype), ring[0],
+                       weight_bytes[0])
 
 
 def _subjaxprs(eqn):
@@ -153,6 +161,34 @@ def largest_ring_step(jaxpr) -> int:
         return here, busiest
 
     return max(passed(jaxpr))
+
+
+def used_weight_bytes(jaxpr, is_weight: list[bool]) -> int:
+    """Bytes of the weights as `jaxpr` computes with them (its inputs that `is_weight` marks, made into
+    what its matmuls read: gathered over the axes the code gathers, cast to bf16; a weight used as it is
+    counts as it is), plus 4 bytes an element for each one's float32 gradient, which the backward pass
+    builds whole before reduce-scattering it. Read from the code: the values made from the weights alone
+    where a computation that also takes activations reads them, also inside the calls it makes."""
+    marked = {v for v, weight in zip(jaxpr.invars, is_weight) if weight}
+    used, in_calls = {}, 0  # a weight value used here -> its bytes and its gradient's; those the calls use
+
+    def use(values):
+        used.update((v, math.prod(v.aval.shape) * (v.aval.dtype.itemsize + 4)) for v in values
+                    if not isinstance(v, Literal) and v in marked)
+
+    for eqn in jaxpr.eqns:
+        inputs = [v for v in eqn.invars if not isinstance(v, Literal)]
+        if inputs and all(v in marked for v in inputs):  # from the weights alone: not yet used
+            marked.update(eqn.outvars)
+            continue
+        calls = [inner for inner in _subjaxprs(eqn) if len(inner.invars) == len(eqn.invars)]
+        if calls:  # a call (the layer's remat, an einsum's custom VJP): where its body uses them
+            flags = [not isinstance(v, Literal) and v in marked for v in eqn.invars]
+            in_calls += max(used_weight_bytes(inner, flags) for inner in calls)
+        else:
+            use(inputs)
+    use(jaxpr.outvars)
+    return in_calls + sum(used.values())
 
 
 def residual_size(line: str) -> tuple[str, int]:
@@ -208,7 +244,8 @@ def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[s
     saved = layer_saved_values(layer.saved)
     saved_per_layer = sum(size for _, size, _ in saved)
     outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != name]
-    gathered = max(gathered_bytes(stacked) / layers, *(gathered_bytes(w) for w in outside_layers))
+    # Outside the layers: the embedding and unembedding, gathered over d and c (bf16, f32 gradient: 1.5x).
+    gathered = max(layer.weight_bytes, *(round(1.5 * gathered_bytes(w)) for w in outside_layers))
     logits_bytes = math.prod(layer.logits.shape) * jnp.dtype(layer.logits.dtype).itemsize
     terms = [
         ("weights (f32, sharded as annotated)", weights),
@@ -217,8 +254,8 @@ def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[s
         ("gradients (f32, reduce-scattered like the weights)", weights),
         # The forward gathers a layer's weights as bf16 (all_gather_cast); the backward gathers
         # them again (they are not saved) and builds their whole f32 gradient before
-        # reduce-scattering it: 2 + 4 bytes per gathered parameter, 1.5x its f32 size.
-        ("largest gathered weights of one layer: bf16, f32 gradient", round(1.5 * gathered)),
+        # reduce-scattering it: 2 + 4 bytes per gathered parameter.
+        ("largest gathered weights of one layer: bf16, f32 gradient", gathered),
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits (f32) and their gradient", 2 * logits_bytes),
         ("Muon: the largest weight's whole matrices here, Newton-Schulz's temporaries",
