@@ -239,7 +239,7 @@ def losses(run_dir, key: str = "loss") -> dict[int, float]:
 def test_a_run_killed_and_resumed_on_another_mesh_continues_the_same(tmp_path):
     """An MoE run killed with SIGKILL once its checkpoint at step 4 is committed resumes from its newest
     checkpoint with the same losses, bitwise, as a run never stopped (the bias, router and experts all
-    restored). Checkpoint 4 resumed on a 2x4 mesh (H split 4 ways, experts 2 a device) runs to the end as
+    restored). Checkpoint 4 resumed on a 2x4 mesh (4 experts a device, not 2; M split 4 ways) runs to the end as
     it does resumed on 4x2, the mesh that wrote it: every step's loss within 1e-6 (measured 1.1e-7) and
     the same expert load, so every part of the state (optimizer moments, expert bias) was resharded. Those
     two runs' matmuls are float32: in bf16 two meshes' runs drift by a few 1e-4 within steps (routing
