@@ -160,6 +160,8 @@ def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_
             tokens, cache = decode_step(weights, cache, step_inputs, jnp.uint32(start), key, jnp.uint32(i), **settings)
             start += step_inputs.shape[1]
             out.append(tokens)
+            if len(out) > 1:  # at most two steps in flight: XLA:CPU deadlocks when more queue up (docs/reliability.md)
+                jax.block_until_ready(out[-2])
         return np.concatenate(jax.device_get(out), axis=1)[:num_samples]
 
 

@@ -74,6 +74,28 @@ def test_greedy_with_kv_cache_matches_full_forward_passes(model, d, t):
             assert row.tolist() == expected, (prompt, row.tolist(), expected)
 
 
+def test_generation_keeps_at_most_two_steps_in_flight(model, monkeypatch):
+    """Each decoding step is dispatched only once the step two before it has finished: on XLA:CPU,
+    multi-device steps queued ahead of busy devices deadlocked their collectives (41 steps on a loaded
+    2-core machine; XLA aborts the process after its rendezvous timeout)."""
+    h, weights = model
+    mesh = make_mesh(4, 2)
+    waited, dispatched = set(), []
+    wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: (waited.add(id(x)), wait(x))[1])
+
+    def decode_step(*args, **kwargs):
+        assert all(id(tokens) in waited for tokens in dispatched[:-1]), len(dispatched)
+        tokens, cache = step(*args, **kwargs)
+        dispatched.append(tokens)
+        return tokens, cache
+
+    step = sample.decode_step
+    monkeypatch.setattr(sample, "decode_step", decode_step)
+    sample.generate(h, jax.device_put(weights, make_shardings(train.Model, mesh)), mesh, [5, 17], 2, 40)
+    assert len(dispatched) == 40
+
+
 @pytest.mark.slow
 def test_a_mixture_of_experts_generates_as_its_full_forward_passes():
     """sample.py's cached decoding routes each new token as the training model routes it in a full
