@@ -41,12 +41,14 @@ LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
 # (lm-eval's, which `datasets` imports where it is installed); JAX's Mosaic GPU, which Pallas imports
 # when it first lowers a kernel (its MOSAIC_GPU_* paths: jax 0.11 with a CUDA plugin sets several).
 OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "MOSAIC_GPU_")
+# Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
+PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
 
 
 def own_variable(name: str) -> bool:
+    """Whether an environment variable is one that OWN_VARIABLES names (a name, or a prefix of several)."""
     return name.startswith(OWN_VARIABLES)
-# Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
-PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
+
 
 def functions() -> dict:
     """Every function and class of our modules and of PATCHED_MODULES, by where it is reached."""

@@ -229,7 +229,7 @@ def test_training_steps_agree_on_every_mesh(default_dataset):
 STEPS = 24
 
 
-def losses(run_dir, key: str = "loss") -> dict[int, float]:
+def metric(run_dir, key: str = "loss") -> dict[int, float]:
     """{step: its metric `key`} of a run's metrics.jsonl."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return {line["step"]: line[key] for line in map(json.loads, f) if key in line}
@@ -263,14 +263,14 @@ def test_a_run_killed_and_resumed_on_another_mesh_continues_the_same(tmp_path):
 
     run("whole")
     run("killed", kill_after=4)
-    assert max(losses(tmp_path / "killed")) < STEPS - 1  # it did not reach the end
+    assert max(metric(tmp_path / "killed")) < STEPS - 1  # it did not reach the end
     run("killed")
-    assert losses(tmp_path / "killed") == losses(tmp_path / "whole")
+    assert metric(tmp_path / "killed") == metric(tmp_path / "whole")
     for name, mesh in (("stayed", ("mesh.d=4", "mesh.t=2")), ("moved", ("mesh.d=2", "mesh.t=4"))):
         os.makedirs(tmp_path / name / "checkpoints")
         os.symlink(tmp_path / "killed" / "checkpoints" / f"{4:010d}", tmp_path / name / "checkpoints" / f"{4:010d}")
         run(name, *mesh, float32=True)
-    moved, stayed = losses(tmp_path / "moved"), losses(tmp_path / "stayed")
+    moved, stayed = metric(tmp_path / "moved"), metric(tmp_path / "stayed")
     assert sorted(moved) == sorted(stayed) == list(range(4, STEPS))
     assert all(abs(moved[step] / stayed[step] - 1) <= 1e-6 for step in moved), (moved, stayed)
-    assert losses(tmp_path / "moved", "expert_load") == losses(tmp_path / "stayed", "expert_load")
+    assert metric(tmp_path / "moved", "expert_load") == metric(tmp_path / "stayed", "expert_load")
