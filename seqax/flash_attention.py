@@ -33,6 +33,11 @@ KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")
 # backward kernels ask for 297,472 bytes of shared memory, over the H200's 232,448); on a TPU
 # 256 x 256 (v6e's matrix unit is 256 wide).
 GPU_BLOCK_Q, GPU_BLOCK_Q_MANY_HEADS, GPU_BLOCK_K, TPU_BLOCK = 64, 32, 64, 256
+# The smallest block and head size the GPU kernels take: each of block_q, block_k and D is a dimension of
+# one of their matrix products, and Triton's front end refuses a tl.dot with a dimension under 16, a check
+# that Pallas's Triton lowering does not make. On an H200 (2026-12-04) a training step with d_head 8 and
+# blocks of 8 compiled and ran, its step-0 loss 1.4% off blockwise's.
+GPU_MIN_DIM = 16
 
 
 def tiling_for(platform: str, q_per_kv: int, attention_block: int, length: int) -> Tiling:
@@ -155,6 +160,11 @@ def ring_flash_attention(q, k, v, doc_start, row_position, block: int, platform:
     (tiling_for); doc_start [B, L] and row_position [L] as attention.ring_attention takes them.
     Runs inside shard_map."""
     tiling = tiling_for(platform, q.shape[2], block, q.shape[1])
+    if platform == "gpu" and min(tiling.block_q, tiling.block_k, q.shape[-1]) < GPU_MIN_DIM:
+        raise ConfigError(f"the Pallas attention kernels (model.attention_kernel=pallas, or auto on a GPU) need "
+                          f"model.d_head (here {q.shape[-1]}) and their blocks (here {tiling.block_q} x "
+                          f"{tiling.block_k}, from model.attention_block={block}) of at least {GPU_MIN_DIM} on a "
+                          "GPU (Triton's matrix products); raise them, or choose model.attention_kernel=blockwise")
     if tiling.interpret and jax.typeof(q).manual_axis_type.varying:
         raise ConfigError("model.attention_kernel=pallas cannot run on a CPU here: Pallas's interpret mode cannot "
                           "run inside a shard_map that checks varying mesh axes, as the training step's does (JAX "
