@@ -26,7 +26,10 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 # cores), and each worker would compile what the other already has. A cached program is the same
 # program: losses, reports and files do not change. The folder of an xdist run is named by the run's id
 # (set before this file is imported) and removed by the controlling process at the end
-# (pytest_unconfigure); without xdist, a new folder removed at exit.
+# (pytest_unconfigure); without xdist, a new folder removed at exit. JAX writes an entry without a lock:
+# a process that reads one still being written warns and compiles (jax's compiler._cache_read). Its
+# lock (on with a size limit) is left off: with it, the TPU interpret-mode test left a thread of XLA's
+# registered as a Python thread ('Dummy-2'), and test_flash_attention took 38 s instead of 28 s.
 CACHE_PREFIX = os.path.join(tempfile.gettempdir(), "seqax-tests-jax-cache-")
 if os.environ.get("PYTEST_XDIST_TESTRUNUID"):
     COMPILATION_CACHE = CACHE_PREFIX + os.environ["PYTEST_XDIST_TESTRUNUID"]
@@ -37,9 +40,6 @@ else:
 os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
 # also what modules compile again after jax.clear_caches()
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
-# A size limit turns on JAX's file lock around each read and write of the cache (filelock), so that no
-# process reads an entry that another is still writing; 8 GiB is never reached.
-os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
