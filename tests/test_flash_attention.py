@@ -319,7 +319,7 @@ def test_training_steps_with_the_pallas_kernel_equal_blockwise(monkeypatch):
     CPU: the GPU kernels in Pallas's interpret mode) and with reference, against blockwise: the same
     losses within 1e-3 relative. Attention's bf16 roundings (within the bounds above) differ between
     the kernels; the loss, an average over every token, moves by far less. Heads and blocks of 16, the
-    smallest the kernels take on a GPU (tests/test_gpu.py runs this test there too).
+    smallest the kernels take on a GPU (bench/gpu/device_run.sh runs this test on one too).
 
     The step's shard_map runs without its check of varying mesh axes: Pallas's interpret mode
     evaluates a kernel's body with the blocks of varying inputs next to invariant constants, which
