@@ -196,6 +196,7 @@ class Config:
     distributed: DistributedConfig  # how this process joins the others (multihost.py, docs/multi-host.md)
     logging: LoggingConfig  # optional reporting to Weights & Biases (records.py, docs/observability.md)
     evaluation: EvaluationConfig = EvaluationConfig()  # multiple-choice tasks (evaluation.py); none by default
+    profile_steps: int = 2  # steps traced by the profiler after each process's first (0: no profile)
 
 
 # ---------------------------------------------------------------------------------------------

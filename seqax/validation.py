@@ -73,6 +73,8 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
     if cfg.eval_interval < 0 or cfg.eval_batches < 0:
         raise ConfigError(f"eval_interval={cfg.eval_interval} and eval_batches={cfg.eval_batches} must not be negative "
                           "(eval_batches=0 turns evaluation off)")
+    if cfg.profile_steps < 0:
+        raise ConfigError(f"profile_steps={cfg.profile_steps} must not be negative (0 turns the profile off)")
     check_values(cfg)
 
 

@@ -30,6 +30,9 @@ TINY = [
     "model.vocab=256", "model.attention_block=8",
     "training.tokens.batch=8", "training.tokens.len=16", "training.steps=20", "training.warmup_steps=4",
     "training.learning_rate=1e-2", "training.weight_decay=0.1", "training.muon_learning_rate=0.02",
+    # No profile: stopping the trace takes a tiny run about 1.7 s, a quarter of it (docs/performance.md, "Test
+    # times"); tests/test_records.py checks the profile, with profile_steps set back.
+    "profile_steps=0",
 ]
 
 # ---------------------------------------------------------------------------------------------

@@ -187,7 +187,8 @@ def test_a_3mb_disk_warns_for_the_profile_then_stops_with_one_line_and_the_run_r
     at step 2, a warning (was: an 18-line RESOURCE_EXHAUSTED traceback, exit 1); a later record
     fails (its buffered write or TensorBoard's flush, whichever fills the disk), one line naming the
     file, exit 2. Given room, the same command resumes from the newest committed checkpoint."""
-    overrides = ("training.steps=30", "checkpoint_interval=4", "checkpoints.keep=1", "eval_interval=0")
+    overrides = ("training.steps=30", "checkpoint_interval=4", "checkpoints.keep=1", "eval_interval=0",
+                 "profile_steps=2")
     with mounted(tmp_path / "disk", "size=3m") as disk:
         result = faulty_run(disk, small_dataset, *overrides)
         warnings, errors = split_stderr(result)
@@ -232,21 +233,24 @@ def test_metrics_on_a_disk_that_fills_mid_run_stop_with_one_line_and_the_run_res
         again = faulty_run(disk, small_dataset, "training.steps=30", *overrides[1:])
         assert again.returncode == 0 and split_stderr(again)[1] == [], again.stderr[-3000:]
         assert set(unchanged_steps(run_dir)) == set(range(30))
+        assert os.listdir(run_dir / "profile") == []  # profile_steps=0 (fixtures.TINY): neither run traced a step
 
 
 @pytest.mark.slow
 def test_optional_outputs_that_cannot_be_written_warn_and_training_goes_on(small_dataset, tmp_path):
-    """The profile on a 256 KiB disk of its own; training_step.dot where a directory of that name is."""
+    """The profile (of profile_steps 3) on a 256 KiB disk of its own; training_step.dot where a directory of
+    that name is."""
     run_dir = tmp_path / "run"
     (run_dir / "training_step.dot").mkdir(parents=True)
     with mounted(run_dir / "profile", "size=256k"):
-        result = faulty_run(tmp_path, small_dataset, "training.steps=5", "eval_interval=0", graph=True)
+        result = faulty_run(tmp_path, small_dataset, "training.steps=5", "eval_interval=0", "profile_steps=3",
+                            graph=True)
     warnings, errors = split_stderr(result)
     assert result.returncode == 0 and errors == [], result.stderr[-3000:]
     assert len(warnings) == 2, warnings
     assert warnings[0] == (f"seqax: warning: could not write {run_dir}/training_step.dot: Is a directory; there is no "
                            "graph of the step (it is optional)")
-    assert re.match(rf"seqax: warning: could not write the profile of steps 1-2 to {run_dir}/profile: .*No space left "
+    assert re.match(rf"seqax: warning: could not write the profile of steps 1-3 to {run_dir}/profile: .*No space left "
                     r"on device; training goes on without it \(the profile is optional\)$", warnings[1]), warnings
     assert unchanged_steps(run_dir) == list(range(5))
 

@@ -69,6 +69,7 @@ def assert_untouched(run_dir):
         (["training.steps=ten"], r"config key training.steps must be int, got 'ten'"),
         (["checkpoint_interval=-5"],
          r"checkpoint_interval=-5 must be 0 \(save only at the end and on SIGTERM\) or a positive step count"),
+        (["profile_steps=-1"], r"profile_steps=-1 must not be negative \(0 turns the profile off\)"),
     ],
 )
 def test_bad_config_stops_before_compiling(small_dataset, tmp_path, monkeypatch, overrides, message):
