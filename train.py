@@ -676,8 +676,7 @@ def train(cfg: Config, resolved_yaml: str):
         restored = checkpointer.restore(shapes, make_shardings(State, mesh))
         start = restored[0] if restored else 0
         records = opened.enter_context(RunRecords(
-            run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len),
-            cfg.profile_steps))
+            run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len)))
         state = restored[1] if restored else init_state(cfg, mesh)
         # Compile time, FLOPs, optimized HLO, memory and communication reports, before the first step runs.
         report = opened.enter_context(contextlib.closing(StartupReport(run_dir, cfg)))

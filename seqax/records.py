@@ -109,22 +109,21 @@ def parsed(line: str) -> dict:
 class RunRecords:
     """Everything a run records besides checkpoints and start-up reports. `cfg` is the run's
     config.Config; the run starts (or resumes) at step `start`; a token costs `flops_per_token`
-    model FLOPs (train.model_flops_per_token: MFU's numerator); the profiler traces `profile_steps`
+    model FLOPs (train.model_flops_per_token: MFU's numerator); the profiler traces cfg.profile_steps
     steps after the first. Only process 0 prints and writes.
 
     A step's line is written when the next step has been dispatched (after_step), so that reading
     its scalars never stalls the device; flush() writes the step still held back (before a
     checkpoint commits), and eval() and close() flush first, so lines stay in step order."""
 
-    def __init__(self, run_dir: str, resolved_yaml: str, cfg, start: int, flops_per_token: float,
-                 profile_steps: int = 2):
+    def __init__(self, run_dir: str, resolved_yaml: str, cfg, start: int, flops_per_token: float):
         self.run_dir, self.cfg = run_dir, cfg
         self.writes = jax.process_index() == 0
         self.tokens_per_step = cfg.training.tokens.batch * cfg.training.tokens.len
         self.model_flops_per_token = flops_per_token
         self.held_back = None  # (step, metrics) of the last dispatched step, not yet written
         self.profile = ProfileWindow(os.path.join(run_dir, "profile"),
-                                     steps_to_profile(start, cfg.training.steps, profile_steps) if self.writes
+                                     steps_to_profile(start, cfg.training.steps, cfg.profile_steps) if self.writes
                                      else range(0))
         self.recent_step_times = collections.deque(maxlen=20)
         # A step's time runs from when it can start (its dispatch, or the end of the step before

@@ -29,11 +29,12 @@ def fake_config(steps: int):
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
         mesh=types.SimpleNamespace(d=1, t=1),
         logging=config.LoggingConfig(wandb_project="", wandb_entity=""),
+        profile_steps=0,
     )
 
 
 def log_steps(run_dir, start: int, losses: dict[int, float], steps: int = 6, flops_per_token: float = 1e6):
-    log = RunRecords(str(run_dir), "x: 1\n", fake_config(steps), start, flops_per_token, profile_steps=0)
+    log = RunRecords(str(run_dir), "x: 1\n", fake_config(steps), start, flops_per_token)
     for step, loss in losses.items():
         log.before_step(step, None)
         log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5), jnp.float32(0.0)))

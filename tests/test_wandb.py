@@ -29,12 +29,13 @@ def fake_config(steps: int):
                                  norm_eps=1e-5, attention_block=8),
         mesh=types.SimpleNamespace(d=1, t=1),
         logging=config.LoggingConfig(wandb_project="seqax-test", wandb_entity=""),
+        profile_steps=0,
     )
 
 
 def run_log(run_dir, start: int, losses: dict[int, float], evals: dict[int, float]):
     """RunRecords as train.py drives it: steps from `start`, an eval line after step s - 1 for each s in `evals`."""
-    log = RunRecords(str(run_dir), CONFIG_YAML, fake_config(8), start, flops_per_token=1e6, profile_steps=0)
+    log = RunRecords(str(run_dir), CONFIG_YAML, fake_config(8), start, flops_per_token=1e6)
     for step, loss in losses.items():
         log.before_step(step, None)
         log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3 * (step + 1)), jnp.float32(0.5 + step),
@@ -133,6 +134,6 @@ def test_wandb_is_not_imported_when_off(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb_log, "WandbLog", None)  # would fail if called
     cfg = fake_config(2)
     cfg.logging = config.LoggingConfig(wandb_project="", wandb_entity="")
-    log = RunRecords(str(tmp_path), CONFIG_YAML, cfg, 0, flops_per_token=1e6, profile_steps=0)
+    log = RunRecords(str(tmp_path), CONFIG_YAML, cfg, 0, flops_per_token=1e6)
     log.close()
     assert log.wandb is None and not (tmp_path / wandb_log.RUN_ID_FILE).exists()
