@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import train
+from bench.mesh_agreement import metrics_on_meshes  # noqa: F401 (the tests' name for it)
 from seqax import config
 from seqax.config import load_config
 from seqax.data_loader import zigzag_order
@@ -116,26 +117,6 @@ def perturbed_weights(cfg: config.Config) -> train.Model:
     layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"),
                             "ffn_norm": bump(w.layers.ffn_norm, "f")})
     return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
-
-
-def metrics_on_meshes(cfg: config.Config, meshes: list[tuple[int, int, int]], steps: int) -> dict:
-    """{(d, t, c): [the Metrics of each step, as floats]}: `steps` training steps from init_state on
-    each mesh, on the loader's batches of cfg.dataset (the same on every mesh)."""
-    from seqax.data_loader import make_loader
-
-    dataset, runs = open_flat_tokens(cfg.dataset.path), {}
-    for d, t, c in meshes:
-        mesh = make_mesh(d, t, c)
-        loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
-        with jax.set_mesh(mesh):
-            state, runs[d, t, c] = train.init_state(cfg, mesh), []
-            for step in range(steps):
-                batch = loader.batch(step)
-                state, metrics = train.training_step(state, jax.numpy.uint32(step), batch.targets, batch.is_seq_start,
-                                                     batch.loss_mask, cfg)
-                runs[d, t, c].append({k: float(v) for k, v in vars(metrics).items()})
-        loader.close()
-    return runs
 
 
 def abstract_state(cfg: config.Config, mesh) -> train.State:

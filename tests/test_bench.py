@@ -2,7 +2,8 @@
 failed, timed-out and not-run rows), bench/gpu/gpu.sh end to end on CPU and its fail-fast checks,
 bench/profile_step.py on a real trace,
 and the ladder configs (complete, valid, the size their names say, and fitting their accelerator
-with room to spare). bench/compare_commits.py against HEAD."""
+with room to spare). bench/compare_commits.py against HEAD. bench/mesh_agreement.py's table and
+its one-line refusals."""
 
 import gzip
 import json
@@ -17,7 +18,8 @@ import jax
 import pytest
 
 import train
-from bench import compare_commits, measure_step, memory, throughput
+from bench import compare_commits, measure_step, memory, mesh_agreement, throughput
+from fixtures import TINY
 from seqax import config
 from seqax.validation import validate_config
 
@@ -306,3 +308,41 @@ def test_ladder_config_fits_its_accelerator(name):
     terms, *_ = memory.accelerator_estimate(cfg, memory.config_mesh(cfg))
     estimate = sum(size for _, size in terms)
     assert estimate <= 0.9 * DEVICE_MEMORY[name[:3]], (name, estimate / 2**30)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/mesh_agreement.py: the same steps on several meshes, each relative to the first.
+
+
+@pytest.mark.slow
+def test_mesh_agreement_prints_each_meshs_gap_per_seed(default_dataset, capsys):
+    """Two seeds on 1x1x1 and 4x2x1, 2 steps of the tiny model: per seed the reference's losses (the
+    seeds differ: they reach the weights and the batches), the reference's row all 0, 4x2's within the
+    dense model's 1e-4 (test_optimizer's bound), and the largest gap of each step over the rows."""
+    mesh_agreement.main(["--meshes", "1x1x1", "4x2x1", "--steps", "2", "--seeds", "0", "1", "--", *TINY,
+                         f"dataset.path={default_dataset}"])
+    seeds = capsys.readouterr().out.strip().split("\nseed ")
+    assert len(seeds) == 2, seeds
+    losses = []
+    for text in seeds:
+        header, _, one, four_two, largest = text.splitlines()
+        losses.append([float(x) for x in header.split("losses ")[1].split()])
+        assert one.split() == ["1x1x1", "0.0e+00", "0.0e+00", "|", "0.000", "0.000"], one
+        gaps = [float(x) for x in four_two.split()[1:3]]
+        assert four_two.split()[0] == "4x2x1" and all(g < 1e-4 for g in gaps), four_two
+        assert [float(x) for x in largest.split()[1:]] == gaps, (largest, four_two)
+    assert len(losses[0]) == 2 and losses[0] != losses[1], losses
+
+
+def test_mesh_agreement_refuses_a_bad_mesh_in_one_line(capsys):
+    for meshes, phrase in ((["4x2"], "mesh '4x2' is not DxTxC"), (["16x1x1"], "needs 16 devices")):
+        with pytest.raises(SystemExit) as refused:
+            mesh_agreement.main(["--meshes", *meshes])
+        assert refused.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert phrase in err[-1], err
+    with pytest.raises(SystemExit) as refused:  # 8 experts on d=3: validate_config's line, before any data is read
+        mesh_agreement.main(["--meshes", "1x1x1", "3x1x1", "--", "+model.experts=8", "+model.experts_per_token=2",
+                             "+model.expert_d_ff=32", "dataset.path=/nonexistent"])
+    assert str(refused.value.code).startswith(
+        "bench.mesh_agreement: error: model.experts=8 is not divisible by mesh.d=3"), refused.value.code
