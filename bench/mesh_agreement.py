@@ -95,8 +95,10 @@ def main(argv=None):
         for seed in args.seeds:
             cfg = load_config(args.config, ["+paths.model_name=mesh_agreement", *args.overrides,
                                             f"training.seed={seed}", f"dataset.seed={seed}"])
+            max_token_id = open_flat_tokens(cfg.dataset.path).max_token_id
             for d, t, c in args.meshes:
-                validate_config(dataclasses.replace(cfg, mesh=MeshConfig(d, t, c)), d * t * c, 0, train.Model)
+                validate_config(dataclasses.replace(cfg, mesh=MeshConfig(d, t, c)), d * t * c, max_token_id,
+                                train.Model)
             print(table(seed, metrics_on_meshes(cfg, args.meshes, args.steps)), flush=True)
     except SeqaxError as e:
         sys.exit(f"bench.mesh_agreement: error: {e}")

@@ -19,7 +19,7 @@ import pytest
 
 import train
 from bench import compare_commits, measure_step, memory, mesh_agreement, throughput
-from fixtures import TINY
+from fixtures import TINY, synthetic_dataset
 from seqax import config
 from seqax.validation import validate_config
 
@@ -334,15 +334,20 @@ def test_mesh_agreement_prints_each_meshs_gap_per_seed(default_dataset, capsys):
     assert len(losses[0]) == 2 and losses[0] != losses[1], losses
 
 
-def test_mesh_agreement_refuses_a_bad_mesh_in_one_line(capsys):
+def test_mesh_agreement_refuses_a_bad_mesh_config_or_dataset_in_one_line(tmp_path, capsys):
     for meshes, phrase in ((["4x2"], "mesh '4x2' is not DxTxC"), (["16x1x1"], "needs 16 devices")):
         with pytest.raises(SystemExit) as refused:
             mesh_agreement.main(["--meshes", *meshes])
         assert refused.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert phrase in err[-1], err
-    with pytest.raises(SystemExit) as refused:  # 8 experts on d=3: validate_config's line, before any data is read
-        mesh_agreement.main(["--meshes", "1x1x1", "3x1x1", "--", "+model.experts=8", "+model.experts_per_token=2",
-                             "+model.expert_d_ff=32", "dataset.path=/nonexistent"])
-    assert str(refused.value.code).startswith(
-        "bench.mesh_agreement: error: model.experts=8 is not divisible by mesh.d=3"), refused.value.code
+    moe = ["+model.experts=8", "+model.experts_per_token=2", "+model.expert_d_ff=32"]
+    dataset = synthetic_dataset(tmp_path / "data.zarr", "--train-tokens", "10000", "--validation-tokens", "1000")
+    for overrides, message in (  # before any step is compiled
+            ([*moe, f"dataset.path={dataset}"], "model.experts=8 is not divisible by mesh.d=3"),
+            (["model.vocab=8", f"dataset.path={dataset}"], "model.vocab=8 is too small for the dataset's"),
+            (["dataset.path=/nonexistent/data.zarr"], "/nonexistent/data.zarr")):
+        with pytest.raises(SystemExit) as refused:
+            mesh_agreement.main(["--meshes", "1x1x1", "3x1x1", "--", *overrides])
+        line = str(refused.value.code)
+        assert line.startswith("bench.mesh_agreement: error: ") and message in line and "\n" not in line, line
