@@ -314,11 +314,25 @@ def test_ladder_config_fits_its_accelerator(name):
 # bench/mesh_agreement.py: the same steps on several meshes, each relative to the first.
 
 
+def test_mesh_agreement_table_gives_each_steps_gap_against_the_first_mesh():
+    runs = {(1, 1, 1): [{"loss": 2.0, "expert_load": 1.5}, {"loss": 1.0, "expert_load": 1.25}],
+            (4, 2, 1): [{"loss": 2.002, "expert_load": 1.5}, {"loss": 0.99, "expert_load": 1.0}],
+            (8, 1, 1): [{"loss": 1.999, "expert_load": 1.5}, {"loss": 1.0, "expert_load": 1.25}]}
+    assert mesh_agreement.table(3, runs).splitlines() == [
+        "seed 3: 1x1x1's losses 2.000000 1.000000",
+        "  |loss / 1x1x1's - 1| at steps 0-1 | expert load",
+        "    1x1x1  0.0e+00 0.0e+00  | 1.500 1.250",
+        "    4x2x1  1.0e-03 1.0e-02  | 1.500 1.000",
+        "    8x1x1  5.0e-04 0.0e+00  | 1.500 1.250",
+        "  largest  1.0e-03 1.0e-02"]
+
+
 @pytest.mark.slow
-def test_mesh_agreement_prints_each_meshs_gap_per_seed(default_dataset, capsys):
+def test_mesh_agreement_runs_each_seed_on_each_mesh(default_dataset, capsys):
     """Two seeds on 1x1x1 and 4x2x1, 2 steps of the tiny model: per seed the reference's losses (the
-    seeds differ: they reach the weights and the batches), the reference's row all 0, 4x2's within the
-    dense model's 1e-4 (test_optimizer's bound), and the largest gap of each step over the rows."""
+    seeds differ: they reach the weights and the batches), its row all 0, and 4x2's step 0 (before
+    any update) within test_optimizer's 1e-5. Later steps' gaps are what the tool measures, not bounded
+    here: at the tiny model's 128 tokens a step they reached 1.8e-4 (1x8, seed 0, Intel Xeon)."""
     mesh_agreement.main(["--meshes", "1x1x1", "4x2x1", "--steps", "2", "--seeds", "0", "1", "--", *TINY,
                          f"dataset.path={default_dataset}"])
     seeds = capsys.readouterr().out.strip().split("\nseed ")
@@ -328,9 +342,8 @@ def test_mesh_agreement_prints_each_meshs_gap_per_seed(default_dataset, capsys):
         header, _, one, four_two, largest = text.splitlines()
         losses.append([float(x) for x in header.split("losses ")[1].split()])
         assert one.split() == ["1x1x1", "0.0e+00", "0.0e+00", "|", "0.000", "0.000"], one
-        gaps = [float(x) for x in four_two.split()[1:3]]
-        assert four_two.split()[0] == "4x2x1" and all(g < 1e-4 for g in gaps), four_two
-        assert [float(x) for x in largest.split()[1:]] == gaps, (largest, four_two)
+        assert four_two.split()[0] == "4x2x1" and float(four_two.split()[1]) <= 1e-5, four_two
+        assert largest.split()[1:] == four_two.split()[1:3], (largest, four_two)
     assert len(losses[0]) == 2 and losses[0] != losses[1], losses
 
 
