@@ -144,12 +144,14 @@ class Checkpointer:
             return None
 
     def _unreadable_steps(self) -> list[int]:
-        """Steps whose group zarr.json is missing or garbled although the directory holds arrays:
-        damaged. (An interrupted save's group metadata is whole, or is all that exists besides the
-        save's markers: it is written first, the markers of a save that failed writing it (a full
-        disk cuts it short) come after, and the commit rewrites it atomically.)"""
+        """Steps whose group zarr.json is missing or garbled although the directory holds arrays (their
+        folders): damaged. (An interrupted save's group metadata is whole, or the directory holds no
+        folder: it is written first, as zarr's temporary file `zarr.*.partial` renamed to zarr.json, so
+        a save killed before that rename leaves the temporary file alone; the markers of a save that
+        failed writing it (a full disk cuts it short) are files too; and the commit rewrites it
+        atomically.)"""
         return [s for s in self._steps_on_disk() if self._attributes(s) is None
-                and any(name != "zarr.json" and not name.startswith(".") for name in os.listdir(self.step_dir(s)))]
+                and any(entry.is_dir() for entry in os.scandir(self.step_dir(s)))]
 
     def _steps_on_disk(self) -> list[int]:
         names = os.listdir(self.directory) if os.path.isdir(self.directory) else []

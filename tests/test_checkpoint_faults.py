@@ -121,14 +121,21 @@ def test_a_garbled_group_metadata_is_damaged_not_deleted(tmp_path, garble, capsy
     restored_falls_back(tmp_path, checkpointer, "group metadata zarr.json is unreadable", capsys)
 
 
-def test_an_interrupted_save_whose_group_metadata_is_half_written_is_deleted(tmp_path):
-    """Killed while process 0 wrote the group's zarr.json, the first file of a save: nothing else exists."""
-    checkpointer = checkpoints(tmp_path, steps=[1])
+@pytest.mark.parametrize("half_written", ["zarr.json", "zarr.5f0c2a9e41d34b7a8e6f1c2d3b4a5968.partial"])
+@pytest.mark.parametrize("older", [[1], []])
+def test_an_interrupted_save_whose_group_metadata_is_half_written_is_deleted(tmp_path, half_written, older):
+    """Killed while process 0 wrote the group's zarr.json, the first file of a save: nothing else exists.
+    zarr writes it as a temporary file renamed to zarr.json (the .partial name: killed before the
+    rename, what a run killed at that moment left on 2026-12-04); a file system that writes in place
+    could leave zarr.json half written. Either way an uncommitted save: deleted, the run resumes from
+    the checkpoint before it, or from step 0 (not 'every committed checkpoint is damaged')."""
+    checkpointer = checkpoints(tmp_path, steps=older)
     os.makedirs(tmp_path / "0000000002")
-    open(tmp_path / "0000000002" / "zarr.json", "w").write('{"zarr_form')
-    step, _ = checkpointer.restore(*targets(make_mesh(4, 2)))
+    open(tmp_path / "0000000002" / half_written, "w").write('{"zarr_form')
+    restored = checkpointer.restore(*targets(make_mesh(4, 2)))
     checkpointer.close()
-    assert step == 1 and on_disk(tmp_path) == ["0000000001"]
+    assert (restored[0] if restored else None) == (1 if older else None)
+    assert on_disk(tmp_path) == [f"{s:010d}" for s in older]
 
 
 def test_another_models_checkpoints_stop_the_restore_and_stay(tmp_path):
