@@ -6,9 +6,10 @@ measurements in docs/moe.md, come from runs like these).
         [--config local_test_synthetic] [--meshes 1x1x1 8x1x1 4x2x1 2x4x1] [--steps 3] [--seeds 0 1] \\
         [-- key=value ...]
 
-Each mesh is DxTxC (mesh.d, mesh.t, mesh.c) on the first D*T*C devices of this process. Every mesh
-starts from the same initial state (training.seed) and trains on the same batches (dataset.seed:
-the loader's batches do not depend on the mesh); --seeds sets both, one run of every mesh per seed.
+Each mesh is DxTxC (mesh.d, mesh.t, mesh.c) on the first D*T*C devices of this process
+(bench.memory.config_mesh). Every mesh starts from the same initial state (training.seed) and trains
+on the same batches (dataset.seed: the loader's batches do not depend on the mesh); --seeds sets
+both, one run of every mesh per seed.
 Per seed it prints the first mesh's losses, then per mesh |loss / first mesh's loss - 1| at each step
 and each step's expert load (the busiest expert's rows over the mean; 0 for a dense model), then the
 largest gap of each step over the meshes. The runs are in this process, one mesh after the other.
@@ -21,6 +22,7 @@ import sys
 import jax
 
 import train
+from bench.memory import config_mesh
 from seqax.config import Config, MeshConfig, SeqaxError, load_config
 from seqax.data_loader import make_loader
 from seqax.flat_tokens import open_flat_tokens
@@ -43,7 +45,7 @@ def metrics_on_meshes(cfg: Config, meshes: list[tuple[int, int, int]], steps: in
     each mesh (the first d*t*c devices), on the loader's batches of cfg.dataset (the same on every mesh)."""
     dataset, runs = open_flat_tokens(cfg.dataset.path), {}
     for d, t, c in meshes:
-        mesh = train.make_mesh(d, t, c, devices=jax.devices()[: d * t * c])
+        mesh = config_mesh(dataclasses.replace(cfg, mesh=MeshConfig(d, t, c)))
         loader = make_loader(cfg.dataset, dataset, "train", cfg.training.tokens.batch, cfg.training.tokens.len, mesh)
         with jax.set_mesh(mesh):
             state, runs[d, t, c] = train.init_state(cfg, mesh), []
@@ -87,18 +89,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps} must be at least 1")
-    for d, t, c in args.meshes:
-        if d * t * c > jax.device_count():
-            parser.error(f"mesh {d}x{t}x{c} needs {d * t * c} devices, this process has {jax.device_count()}; "
-                         f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={d * t * c}")
     try:
         for seed in args.seeds:
             cfg = load_config(args.config, ["+paths.model_name=mesh_agreement", *args.overrides,
                                             f"training.seed={seed}", f"dataset.seed={seed}"])
             max_token_id = open_flat_tokens(cfg.dataset.path).max_token_id
-            for d, t, c in args.meshes:
-                validate_config(dataclasses.replace(cfg, mesh=MeshConfig(d, t, c)), d * t * c, max_token_id,
-                                train.Model)
+            for d, t, c in args.meshes:  # every mesh checked before any runs
+                on_mesh = dataclasses.replace(cfg, mesh=MeshConfig(d, t, c))
+                config_mesh(on_mesh)
+                validate_config(on_mesh, d * t * c, max_token_id, train.Model)
             print(table(seed, metrics_on_meshes(cfg, args.meshes, args.steps)), flush=True)
     except SeqaxError as e:
         sys.exit(f"bench.mesh_agreement: error: {e}")
