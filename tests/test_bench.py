@@ -325,26 +325,35 @@ def test_mesh_agreement_table_gives_each_steps_gap_against_the_first_mesh():
         "    4x2x1  1.0e-03 1.0e-02  | 1.500 1.000",
         "    8x1x1  5.0e-04 0.0e+00  | 1.500 1.250",
         "  largest  1.0e-03 1.0e-02"]
+    reversed_run = [{"loss": 2.0002, "expert_load": 1.5}, {"loss": 1.003, "expert_load": 1.375}]
+    assert mesh_agreement.table(3, runs, reversed_run).splitlines()[-2:] == [
+        "  largest  1.0e-03 1.0e-02",  # over the meshes only
+        "  1x1x1, rows reversed  1.0e-04 3.0e-03  | 1.500 1.375"]
 
 
 @pytest.mark.slow
 def test_mesh_agreement_runs_each_seed_on_each_mesh(default_dataset, capsys):
-    """Two seeds on 1x1x1 and 4x2x1, 2 steps of the tiny model: per seed the reference's losses (the
-    seeds differ: they reach the weights and the batches), its row all 0, and 4x2's step 0 (before
-    any update) within test_optimizer's 1e-5. Later steps' gaps are what the tool measures, not bounded
-    here: at the tiny model's 128 tokens a step they reached 1.8e-4 (1x8, seed 0, Intel Xeon)."""
-    mesh_agreement.main(["--meshes", "1x1x1", "4x2x1", "--steps", "2", "--seeds", "0", "1", "--", *TINY,
-                         f"dataset.path={default_dataset}"])
+    """Two seeds on 1x1x1 and 4x2x1, 2 steps of the tiny model, with the rows-reversed control: per seed
+    the reference's losses (the seeds differ: they reach the weights and the batches), its row all 0, and
+    step 0 (before any update) of 4x2 and of the reversed rows within test_optimizer's 1e-5, and some gap
+    of the reversed rows not exactly 0 (their sums did run in another order; at step 0 the loss's sum may
+    not see it: a sum taken as a balanced tree is the same backwards). Later steps' gaps are what the tool
+    measures, not bounded here: at the tiny model's 128 tokens a step they reached 1.8e-4 (1x8, seed 0)."""
+    mesh_agreement.main(["--meshes", "1x1x1", "4x2x1", "--steps", "2", "--seeds", "0", "1", "--rows-reversed",
+                         "--", *TINY, f"dataset.path={default_dataset}"])
     seeds = capsys.readouterr().out.strip().split("\nseed ")
     assert len(seeds) == 2, seeds
-    losses = []
+    losses, reversed_gaps = [], []
     for text in seeds:
-        header, _, one, four_two, largest = text.splitlines()
+        header, _, one, four_two, largest, reversed_rows = text.splitlines()
         losses.append([float(x) for x in header.split("losses ")[1].split()])
         assert one.split() == ["1x1x1", "0.0e+00", "0.0e+00", "|", "0.000", "0.000"], one
         assert four_two.split()[0] == "4x2x1" and float(four_two.split()[1]) <= 1e-5, four_two
         assert largest.split()[1:] == four_two.split()[1:3], (largest, four_two)
+        assert reversed_rows.split()[:3] == ["1x1x1,", "rows", "reversed"], reversed_rows
+        reversed_gaps.append([float(g) for g in reversed_rows.split()[3:5]])
     assert len(losses[0]) == 2 and losses[0] != losses[1], losses
+    assert all(g[0] <= 1e-5 for g in reversed_gaps) and any(max(g) > 0 for g in reversed_gaps), reversed_gaps
 
 
 def test_mesh_agreement_refuses_a_bad_mesh_config_or_dataset_in_one_line(tmp_path, capsys):
