@@ -315,9 +315,10 @@ def test_training_steps_agree_on_every_mesh(default_dataset):
     """The tiny model on rows of 256 packed documents of the synthetic dataset, steps 0-2 on meshes
     1x1, 8x1, 4x2 and 1x8: the step-0 loss (before any update) within 1e-5 relative of the 1x1
     run's, steps 1 and 2 (after Muon's and AdamW's updates) within 1e-4. Measured: up to 1.5e-6 at
-    step 0 and 4.7e-5 after (bf16 Newton-Schulz turns the gradients' float32 rounding differences
-    into per-element update differences of ~1e-3; 1e-4 is what a mesh may cost). The same bounds
-    with context parallelism (d=2 t=2 c=2) are test_context_parallel's."""
+    step 0 and 6.6e-5 after, seeds 0-3 (the gradients are summed from parts each device rounded to
+    bf16, so they differ between meshes by ~1e-3, and bf16 Newton-Schulz spreads that over the update;
+    on one device, the batch's rows reversed moved steps 1-2 by up to 2.6e-5: bench.mesh_agreement
+    --rows-reversed). The same bounds with context parallelism (d=2 t=2 c=2) are test_context_parallel's."""
     cfg = tiny_config("training.tokens.len=256", "model.attention_block=32", f"dataset.path={default_dataset}")
     runs = metrics_on_meshes(cfg, [(1, 1, 1), (8, 1, 1), (4, 2, 1), (1, 8, 1)], steps=3)
     losses = {mesh: [metrics["loss"] for metrics in run] for mesh, run in runs.items()}
