@@ -76,7 +76,9 @@ def all_gather(spec: str, x):
 def all_gather_cast(spec: str, x, dtype):
     """all_gather of x cast to `dtype` before it crosses the wire (FSDP: a float32 weight sent
     as bfloat16, half the bytes); the gradient flows back as a float32 reduce-scatter, so that
-    the cross-device sum is float32 whatever `dtype` is. x must be float32."""
+    the cross-device sum is float32 whatever `dtype` is. Each device's part of that sum arrives
+    in `dtype`, though (the gradient of a `dtype` array, as an einsum returns it): rounded before
+    the sum, which is why bf16 gradients differ between meshes by ~1e-3. x must be float32."""
     op = "all_gather_cast"
     gathers = _gathers(op, spec, x)
     _require_f32(op, x)
