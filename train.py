@@ -10,7 +10,7 @@ Dimension names, used the same way in every annotation and spec string:
     N  rows for experts              I  devices of d (senders)
     layers  transformer blocks (weights stacked, run one after another)
 Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent as
-MATMUL_DTYPE; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff and
+model.matmul_dtype; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff and
 vocabulary (tensor parallelism, Megatron-style) and, between blocks, the residual stream's M
 (`B/d L/c M/t`): each block all-gathers it over t before its norm and reduce-scatters its output;
 `c` splits every row's positions (context parallelism: each device holds two chunks of each row,
@@ -18,7 +18,8 @@ data_loader.zigzag_chunks; attention passes keys and values around the c ring) a
 weights.
 
 Precision: weights, optimizer state, the residual stream and norms in float32; matmul operands in
-MATMUL_DTYPE (bfloat16) with float32 accumulation; every sum across devices in float32.
+model.matmul_dtype (bfloat16; float32 where a test checks the
+math against tests/reference.py) with float32 accumulation; every sum across devices in float32.
 
 Names: `cfg` is a run's Config, `h` its model section, `training` its training section (config.py).
 """
@@ -60,13 +61,6 @@ from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
 from seqax.startup_report import StartupReport, compile_step
 from seqax.validation import check_attention_blocks, validate_config
-
-# ---------------------------------------------------------------------------------------------
-# Operands of every matmul are cast to this type; products accumulate in float32. bfloat16 is the
-# fast path on every accelerator; with float32 a step is exact up to the order of sums (the
-# model tests use that to check the math against tests/reference.py).
-MATMUL_DTYPE = jnp.bfloat16
-
 
 # ---------------------------------------------------------------------------------------------
 # Weights. Every field says its shape and sharding; the optimizers' state has the same types.
@@ -217,7 +211,7 @@ def rope(x, sin, cos):
 
 def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Routing]:
     """The mixture of experts on the normed stream [B/d, L/c, M], `normed` in float32 and nx its
-    MATMUL_DTYPE rounding: its output [B/d, L/c, M] (float32, partial sums over t) and the layer's
+    model.matmul_dtype rounding: its output [B/d, L/c, M] (float32, partial sums over t) and the layer's
     Routing. The router reads `normed`: a choice that a rounding of nx could flip would differ between
     meshes, whose float32 sums differ in their last bits. Each token goes to the experts_per_token
     (k) experts of highest score + expert_bias and returns the sum of their SwiGLUs, weighed by its
@@ -227,7 +221,7 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (split over c and t
     FSDP-style, gathered a layer at a time), and each row goes to its expert's device and back, a ragged
     all-to-all each way. The t devices of a group hold the same tokens: each sends its share of them, so
-    that a row is computed once, whole (all of H), and its output rounded once to MATMUL_DTYPE: the same
+    that a row is computed once, whole (all of H), and its output rounded once to model.matmul_dtype: the same
     on any mesh. Dropless: every (token, choice) row is computed, whichever device it lands on, by the
     same matmuls. There the rows of each expert are listed in blocks of expert_block rows (padded to whole
     blocks), and grouped_swiglu runs each expert's SwiGLU over its blocks only: a loop whose length is the
@@ -275,11 +269,11 @@ def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Rou
     listed = jnp.full(n * b, d * N, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * N), mode="drop")
     expected = -(-(N // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
     # The experts here, whole: gathered over c and t (FSDP) and cast.
-    gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, MATMUL_DTYPE)
-    up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, MATMUL_DTYPE)
-    down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, MATMUL_DTYPE)
+    gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, h.matmul_dtype)
+    up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, h.matmul_dtype)
+    down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, h.matmul_dtype)
     # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math,
-    # rounded to MATMUL_DTYPE and written over the received rows (no second buffer of d N rows).
+    # rounded to model.matmul_dtype and written over the received rows (no second buffer of d N rows).
     out = grouped_swiglu(received.reshape(d * N, M), listed.reshape(n, b), gate_w, up_w, down_w, ends, expected)
     # Back here, in row order; kept for backward (N rows, not the d N of the buffers), else recomputed.
     out = save_for_backward(ragged_all_to_all("d N M -> N M", out.reshape(d, N, M), sizes)[position])
@@ -306,32 +300,32 @@ def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
     attends within documents (training_layer); sample.py attends over its KV cache and returns the
     updated cache as `extra`. Returns (x after the block, extra, Routing)."""
     nx = all_gather("B/d L/c M/t -> B/d L/c M", x)  # the norm needs all of M
-    nx = save_for_backward(rms_norm(nx, w.attn_norm, h.norm_eps).astype(MATMUL_DTYPE))
-    # FSDP: gather this layer's weights over d and c, cast to MATMUL_DTYPE before they cross the
+    nx = save_for_backward(rms_norm(nx, w.attn_norm, h.norm_eps).astype(h.matmul_dtype))
+    # FSDP: gather this layer's weights over d and c, cast to model.matmul_dtype before they cross the
     # wire; the gradients come back as float32 reduce-scatters (all_gather_cast's transpose).
-    w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, MATMUL_DTYPE)
-    w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, MATMUL_DTYPE)
-    w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, MATMUL_DTYPE)
+    w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, h.matmul_dtype)
+    w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, h.matmul_dtype)
+    w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, h.matmul_dtype)
     q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
     k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
-    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(MATMUL_DTYPE)
-    q, k = rope(q, *rotation).astype(MATMUL_DTYPE), rope(k, *rotation).astype(MATMUL_DTYPE)
+    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(h.matmul_dtype)
+    q, k = rope(q, *rotation).astype(h.matmul_dtype), rope(k, *rotation).astype(h.matmul_dtype)
     # Training's attend (attention.training_attention's kernel) keeps q, k, v, o and its log-sum-exp for backward.
     o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
-    w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, MATMUL_DTYPE)
+    w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, h.matmul_dtype)
     out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
     x = save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out))
 
     normed = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.ffn_norm, h.norm_eps)  # float32
-    nx = save_for_backward(normed.astype(MATMUL_DTYPE))
-    w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, MATMUL_DTYPE)
-    w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, MATMUL_DTYPE)
-    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(MATMUL_DTYPE))
-    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(MATMUL_DTYPE))
+    nx = save_for_backward(normed.astype(h.matmul_dtype))
+    w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, h.matmul_dtype)
+    w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, h.matmul_dtype)
+    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(h.matmul_dtype))
+    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(h.matmul_dtype))
     # XLA:CPU only: silu(gate) * up in float32, rounded once (faster there than bf16; docs/performance.md).
     gate_f32 = gate.astype(jnp.float32)
-    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(MATMUL_DTYPE)
-    w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, MATMUL_DTYPE)
+    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(h.matmul_dtype)
+    w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, h.matmul_dtype)
     # XLA:CPU only: w_down enters transposed, [M, F/t] (stored [F, M]), so that XLA:CPU's weight
     # gradient transposes the output gradient, not hidden (docs/performance.md, "w_down").
     out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
@@ -365,8 +359,8 @@ def embed_tokens(w: Model, inputs):
 
 def output_logits(h: ModelConfig, w: Model, x):
     """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x."""
-    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, h.norm_eps).astype(MATMUL_DTYPE)
-    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, MATMUL_DTYPE)
+    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, h.norm_eps).astype(h.matmul_dtype)
+    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, h.matmul_dtype)
     return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed)
 
 
@@ -483,25 +477,25 @@ def adamw_update(training: TrainingConfig, step, lr, w, g, mu, nu):
     return w - lr * (mu_hat / (jnp.sqrt(nu_hat) + training.adam_eps) + training.weight_decay * w), mu, nu
 
 
-def newton_schulz(G):
+def newton_schulz(G, dtype):
     """U V^T of each matrix G = U S V^T [..., rows, cols] (rows <= cols), approximately: X <- aX +
     (bA + cA^2)X with A = X X^T (the smaller Gram matrix), from X = G / ||G|| (every singular value at
     most 1), whose coefficients Jordan et al. 2024 chose to bring singular values to about [0.7, 1.2]
     fast. A stack of matrices goes as batched matmuls: a few large kernels, not many small ones.
-    Operands in MATMUL_DTYPE, sums in float32."""
+    Operands in `dtype` (model.matmul_dtype), sums in float32."""
     a, b, c = 3.4445, -4.7750, 2.0315
     mm = partial(jnp.einsum, preferred_element_type=jnp.float32)
     X = G.astype(jnp.float32)
     X = X / (jnp.sqrt(jnp.sum(X * X, axis=(-2, -1), keepdims=True)) + 1e-7)
     for _ in range(NEWTON_SCHULZ_STEPS):
-        X_ = X.astype(MATMUL_DTYPE)
+        X_ = X.astype(dtype)
         A = mm("...ik,...jk->...ij", X_, X_)  # X X^T, contracting both on their last dimension: no transposed copy
-        B = b * A + c * mm("...ij,...jk->...ik", A.astype(MATMUL_DTYPE), A.astype(MATMUL_DTYPE))
-        X = a * X + mm("...ij,...jk->...ik", B.astype(MATMUL_DTYPE), X_)
+        B = b * A + c * mm("...ij,...jk->...ik", A.astype(dtype), A.astype(dtype))
+        X = a * X + mm("...ij,...jk->...ik", B.astype(dtype), X_)
     return X
 
 
-def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, matrix: tuple[int, int]):
+def muon_update(training: TrainingConfig, dtype, lr, w, g, momentum, spread: str, matrix: tuple[int, int]):
     """One Muon step of a stacked layer weight w [layers, ...]: Nesterov momentum, then each layer's
     matrices (`matrix`: how many of the last dimensions are rows and columns) orthogonalized by the
     device that holds them whole, scaled by sqrt(max(1, fan_out / fan_in))
@@ -510,7 +504,7 @@ def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, matri
     momentum = beta * momentum + (1 - beta) * g
     g = (1 - beta) * g + beta * momentum  # Nesterov: the gradient, then the momentum it leads to
     devices = lax.axis_size(("d", "c", "t"))
-    padded = jnp.pad(g.astype(MATMUL_DTYPE), [(0, -layers % devices)] + [(0, 0)] * (g.ndim - 1))
+    padded = jnp.pad(g.astype(dtype), [(0, -layers % devices)] + [(0, 0)] * (g.ndim - 1))
     whole = all_to_all(spread, padded)  # [layers / devices, ...]: this device's matrices, whole
     rows, cols = matrix
     fan_in, fan_out = math.prod(whole.shape[-rows - cols : -cols]), math.prod(whole.shape[-cols:])
@@ -525,7 +519,7 @@ def muon_update(training: TrainingConfig, lr, w, g, momentum, spread: str, matri
         return jnp.zeros_like(matrices, jnp.float32)
 
     first = lax.axis_index(("d", "c", "t")) * whole.shape[0]  # a device that holds padding only skips the work
-    update = wide(lax.cond(first < layers, newton_schulz, skip, wide(matrices)).astype(MATMUL_DTYPE))
+    update = wide(lax.cond(first < layers, partial(newton_schulz, dtype=dtype), skip, wide(matrices)).astype(dtype))
     update = all_to_all(inverse(spread), update.reshape(whole.shape))  # back to the weight's sharding
     scale = math.sqrt(max(1.0, fan_out / max(fan_in, 1)))  # (fan_in 0: the empty experts of a dense model)
     w = w - lr * (scale * update[:layers].astype(jnp.float32) + training.muon_weight_decay * w)
@@ -567,7 +561,7 @@ def balance_update(training: TrainingConfig, bias, load):
     return bias + training.expert_bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def optimizer_step(training: TrainingConfig, step, state: State, grads: Model, grad_norm,
+def optimizer_step(training: TrainingConfig, matmul_dtype, step, state: State, grads: Model, grad_norm,
                    load) -> tuple[State, jax.Array]:
     """Muon on the weights MUON names, AdamW on the rest, from the gradients clipped to the global
     norm `grad_norm`; the experts' bias by their load [layers, E] of this step's batch. Returns the
@@ -579,7 +573,7 @@ def optimizer_step(training: TrainingConfig, step, state: State, grads: Model, g
     def update(path, w, g, momentum, mu, nu) -> Update:  # the state holds momentum or moments, None for the other
         rule = optimizer_of(path)
         if rule == "muon":
-            w, momentum = muon_update(training, muon_lr, w, g * clip, momentum, *MUON[path[-1].name])
+            w, momentum = muon_update(training, matmul_dtype, muon_lr, w, g * clip, momentum, *MUON[path[-1].name])
         elif rule == "balance":
             w = balance_update(training, w, load)
         else:
@@ -616,7 +610,7 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
         # (The t devices of a group route the same tokens: their load is counted once.)
         loss, load = lax.psum(loss, ("d", "c")), lax.psum(load, ("d", "c", "t")) / lax.axis_size("t")
         grad_norm = global_norm(grads, Model)  # each gradient is sharded as its weight
-        state, lr = optimizer_step(cfg.training, step, state, grads, grad_norm, load)
+        state, lr = optimizer_step(cfg.training, cfg.model.matmul_dtype, step, state, grads, grad_norm, load)
         busiest = jnp.max(load / jnp.mean(load, axis=-1, keepdims=True), initial=0.0)
         return state, Metrics(loss, lr, grad_norm, busiest)
 

@@ -72,6 +72,9 @@ class ModelConfig:
     # which kernel computes attention (the same math, up to rounding): "auto" (Pallas on GPUs and TPUs,
     # blockwise on CPUs), "pallas", "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
     attention_kernel: str = "auto"
+    # the operands of every matmul (products accumulate in float32): "bfloat16", the fast path on every
+    # accelerator, or "float32", exact up to the order of sums (the tests check the math that way)
+    matmul_dtype: str = "bfloat16"
     # A mixture of experts beside the dense SwiGLU of d_ff (README, "Mixture of experts"): each token goes
     # through the experts_per_token of `experts` SwiGLU experts of expert_d_ff that its router picks. 0
     # experts (the default) is the dense model; d_ff: 0 leaves the experts alone, d_ff > 0 is a shared expert.
@@ -82,6 +85,7 @@ class ModelConfig:
 
 
 ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.training_attention's
+MATMUL_DTYPES = ("bfloat16", "float32")
 
 # The model's dimensions (train.py's legend) and the keys of the `model:` section that size them:
 # validation.py and memory.py read a dimension's size through this table.

@@ -4,7 +4,7 @@ anything is compiled: every mismatch stops the program with one line naming the 
 
 import math
 
-from seqax.config import ATTENTION_KERNELS, MODEL_DIMENSIONS, Config, ConfigError, ModelConfig
+from seqax.config import ATTENTION_KERNELS, MATMUL_DTYPES, MODEL_DIMENSIONS, Config, ConfigError, ModelConfig
 from seqax.shardlib.shardtypes import leaf_dims
 
 
@@ -105,6 +105,9 @@ def check_values(cfg: Config):
     if m.attention_kernel not in ATTENTION_KERNELS:
         raise ConfigError(f"model.attention_kernel={m.attention_kernel!r} is not a kernel; choose one of "
                           f"{', '.join(ATTENTION_KERNELS)}")
+    if m.matmul_dtype not in MATMUL_DTYPES:
+        raise ConfigError(f"model.matmul_dtype={m.matmul_dtype!r} is not a matmul type; choose one of "
+                          f"{', '.join(MATMUL_DTYPES)}")
     if tr.learning_rate < 0:
         raise ConfigError(f"training.learning_rate={tr.learning_rate} must not be negative")
     for key, value in (("adam_b1", tr.adam_b1), ("adam_b2", tr.adam_b2)):

@@ -174,17 +174,6 @@ def module_leaves_the_process_as_it_found_it():
 
 
 @pytest.fixture(autouse=True)
-def no_float32_program_outlives_its_test(monkeypatch):
-    """A test that sets train.MATMUL_DTYPE to float32 with `monkeypatch` (undone after this fixture
-    ends) compiled jitted steps keyed by their config alone: dropped here, or a later test with the
-    same config would run them in float32 (tests/fixtures.py's float32_matmuls does it for a block)."""
-    yield
-    train = sys.modules.get("train")
-    if train is not None and train.MATMUL_DTYPE != jax.numpy.bfloat16:
-        jax.clear_caches()
-
-
-@pytest.fixture(autouse=True)
 def leaves_the_process_as_it_found_it():
     threads, state = set(threading.enumerate()), process_state()
     yield

@@ -2,6 +2,7 @@
 datasets written in this process, and `python -m train` as a child process."""
 
 import contextlib
+import dataclasses
 import errno
 import os
 import subprocess
@@ -51,18 +52,9 @@ def tiny_config(*overrides: str) -> config.Config:
     return load_config("local_test_synthetic", ["+paths.model_name=test", *tiny_overrides(*overrides)])
 
 
-@contextlib.contextmanager
-def float32_matmuls():
-    """train's matmuls in float32 inside the block (comparisons where only the order of sums may
-    differ). The jitted steps are keyed by their config, not by MATMUL_DTYPE, so the compiled
-    programs are dropped on the way out: a later bfloat16 call with the same config would run the
-    float32 program."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "MATMUL_DTYPE", jax.numpy.float32)
-        try:
-            yield
-        finally:
-            jax.clear_caches()
+def float32_config(cfg: config.Config) -> config.Config:
+    """`cfg` with float32 matmuls (model.matmul_dtype): comparisons where only the order of sums may differ."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, matmul_dtype="float32"))
 
 
 def make_mesh(d: int, t: int, c: int = 1) -> jax.sharding.Mesh:
@@ -199,16 +191,12 @@ def child_env(devices: int | None = 8, cache=None, graph: bool = True) -> dict:
     return env
 
 
-# `python -m train` with train's matmuls in float32 (what float32_matmuls does in this process): runs on two
-# meshes compared where only the order of float32 sums may differ. In bf16 any step after the first drifts
-# between meshes by up to a few 1e-4, by how much depending on the CPU that rounds (test_optimizer's
-# test_training_steps_agree_on_every_mesh).
-FLOAT32_TRAIN = "import jax.numpy, train; train.MATMUL_DTYPE = jax.numpy.float32; train.main()"
-
-
 def train_command(args: list[str], float32: bool) -> list[str]:
-    """The command line of `python -m train ARGS`, its matmuls in float32 if `float32` (FLOAT32_TRAIN)."""
-    return [sys.executable, *(["-c", FLOAT32_TRAIN] if float32 else ["-m", "train"]), *args]
+    """The command line of `python -m train ARGS`, its matmuls in float32 if `float32`: runs on two meshes
+    compared where only the order of float32 sums may differ. In bf16 any step after the first drifts
+    between meshes by up to a few 1e-4, by how much depending on the CPU that rounds (test_optimizer's
+    test_training_steps_agree_on_every_mesh)."""
+    return [sys.executable, "-m", "train", *args, *(["model.matmul_dtype=float32"] if float32 else [])]
 
 
 def run_train(args: list[str], devices: int = 8, cache=None, timeout: int = 600, graph: bool = True,

@@ -128,10 +128,9 @@ def test_packed_choices_score_what_the_reference_scores_document_by_document(tmp
                          "choices": [" ".join(rng.choice(words, rng.integers(1, 4))) for _ in range(3)],
                          "label": int(rng.integers(3))}) for _ in range(12)]
     path = write_task(tmp_path / "words.jsonl", *lines)
-    cfg = tiny_config("model.vocab=264", "training.tokens.len=64")
+    cfg = tiny_config("model.vocab=264", "training.tokens.len=64", "model.matmul_dtype=float32")
     mesh = make_mesh(4, 2)
     weights = train.init_weights(cfg.model, jax.random.key(0))
-    monkeypatch.setattr(train, "MATMUL_DTYPE", jax.numpy.float32)
     monkeypatch.setattr(reference, "bf16", jax.numpy.float32)  # the reference's matmuls in float32 too
     with jax.set_mesh(mesh):
         task = evaluation.load_task(path, ByteTokenizer(), cfg, mesh)

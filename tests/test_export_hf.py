@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import train
-from fixtures import forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
+from fixtures import float32_config, forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
 from seqax.checkpoint import Checkpointer
 from seqax.shardlib.shardtypes import make_shardings
 from seqax.tokenizer import dataset_tokenizer
@@ -128,7 +128,7 @@ def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
 
 
 @pytest.mark.slow  # a dataset, a checkpoint, an export and torch
-def test_glm4_moe_loads_every_weight_and_matches_seqax_logits(exported_moe, monkeypatch):
+def test_glm4_moe_loads_every_weight_and_matches_seqax_logits(exported_moe):
     """With float32 matmuls in seqax: bfloat16's rounding of the router's input moves a score by ~1e-3,
     which can flip a near tie of the top-k (then that token's logits differ by far more than rounding)."""
     import torch
@@ -138,9 +138,8 @@ def test_glm4_moe_loads_every_weight_and_matches_seqax_logits(exported_moe, monk
     model, info = transformers.Glm4MoeForCausalLM.from_pretrained(hf_dir, output_loading_info=True,
                                                                   dtype=torch.float32)
     assert not any(info.values()), info
-    monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
     inputs = random_documents(cfg.model.vocab)
-    ours = seqax_logits(cfg, weights, inputs)
+    ours = seqax_logits(float32_config(cfg), weights, inputs)
     assert_logits_agree(hf_logits(model, inputs), ours, ATOL_F32, RTOL_F32)
     for layer in model.model.layers:  # the bias matters here: without it other experts are picked
         layer.mlp.gate.e_score_correction_bias.zero_()

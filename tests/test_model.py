@@ -13,6 +13,7 @@ import reference
 import train
 from fixtures import (
     abstract_state,
+    float32_config,
     make_mesh,
     perturbed_weights,
     put_batch,
@@ -90,12 +91,11 @@ def sharded_loss_and_grads(cfg, mesh, weights, batch):
         return jax.device_get(jax.jit(on_device)(w, *put_batch(mesh, batch)))
 
 
-def assert_float32_equals_reference(cfg, weights, batch, exact_loss, exact_grads, d, t, monkeypatch):
+def assert_float32_equals_reference(cfg, weights, batch, exact_loss, exact_grads, d, t):
     """With float32 matmul operands in both, the sharded model and the reference compute the
     same numbers up to the order of float32 sums: every sharding, mask, RoPE and attention
     block is checked to 1e-4 (bfloat16 rounding would hide errors below ~1e-2)."""
-    monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
-    loss, grads = sharded_loss_and_grads(cfg, make_mesh(d, t), weights, batch)
+    loss, grads = sharded_loss_and_grads(float32_config(cfg), make_mesh(d, t), weights, batch)
     assert abs(float(loss) - exact_loss) <= 1e-6 * abs(exact_loss), (float(loss), exact_loss)
     for path, err in relative_errors(weights_to_dicts(grads, cfg.model.layers), exact_grads):
         assert err < 1e-4, f"gradient {path}: relative L2 error {err:.2e} on mesh {d}x{t}"
@@ -103,14 +103,14 @@ def assert_float32_equals_reference(cfg, weights, batch, exact_loss, exact_grads
 
 # The sharded case in the fast tier; the slow tier also checks every mesh of 8 devices.
 @pytest.mark.parametrize("d,t", [pytest.param(1, 1, marks=pytest.mark.slow), (4, 2)])
-def test_float32_loss_and_gradients_of_a_small_model_equal_reference(small_problem, d, t, monkeypatch):
-    assert_float32_equals_reference(*small_problem, d, t, monkeypatch)
+def test_float32_loss_and_gradients_of_a_small_model_equal_reference(small_problem, d, t):
+    assert_float32_equals_reference(*small_problem, d, t)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("d,t", MESHES)
-def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact_reference, d, t, monkeypatch):
-    assert_float32_equals_reference(*problem[:3], *exact_reference, d, t, monkeypatch)
+def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact_reference, d, t):
+    assert_float32_equals_reference(*problem[:3], *exact_reference, d, t)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from jax import lax
 import reference
 import train
 from fixtures import (
-    float32_matmuls,
+    float32_config,
     make_mesh,
     metrics_on_meshes,
     perturbed_weights,
@@ -72,6 +72,7 @@ def reference_of(cfg, weights, batch, balance_weight=0.0):
 
 def sharded(cfg, mesh, weights, batch, balance_weight: float):
     """train.model_loss on `mesh` with float32 matmuls: (objective, cross-entropy, loads [layers, E], gradients)."""
+    cfg = float32_config(cfg)
     @typed_shard_map
     def on_device(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"],
                   mask: bool_[b"B/d L/c"]) -> tuple[f32[b""], f32[b""], f32[b"layers E"], train.Model]:
@@ -80,7 +81,7 @@ def sharded(cfg, mesh, weights, batch, balance_weight: float):
         load = lax.psum(load, ("d", "c", "t")) / lax.axis_size("t")
         return lax.psum(objective, ("d", "c")), lax.psum(loss, ("d", "c")), load, grads
 
-    with jax.set_mesh(mesh), float32_matmuls():
+    with jax.set_mesh(mesh):
         w = jax.device_put(weights, make_shardings(train.Model, mesh))
         return jax.device_get(jax.jit(on_device)(w, *put_batch(mesh, batch)))
 
@@ -107,12 +108,12 @@ def problem():
     return cfg, weights, batch, reference_of(cfg, weights, batch, 0.3)
 
 
-def test_the_dispatch_computes_every_chosen_expert_of_every_token(monkeypatch):
+def test_the_dispatch_computes_every_chosen_expert_of_every_token():
     """routed_experts alone on one device (float32), against NumPy's statement: each token's chosen
     experts (top k of sigmoid score + bias), each one's SwiGLU, weighed by its normalized score; with
     blocks of 4 rows, so that experts span several blocks and most blocks are padded. Fast: no model."""
-    monkeypatch.setattr(train, "MATMUL_DTYPE", jnp.float32)
-    cfg = tiny_config("+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=8", "+model.expert_block=4",
+    cfg = tiny_config("model.matmul_dtype=float32", "+model.experts=4", "+model.experts_per_token=2",
+                      "+model.expert_d_ff=8", "+model.expert_block=4",
                       "model.d_ff=0", "model.d_model=16")
     h, rng = cfg.model, np.random.default_rng(0)
     B, L, M, E, H = 2, 6, h.d_model, h.experts, h.expert_d_ff
@@ -172,10 +173,9 @@ def test_a_step_moves_each_bias_by_the_rate_against_its_load():
     fewer rows than its layer's mean, down if more (the reference's loads); no other rule touches it."""
     cfg, weights, batch = moe_problem("+training.expert_bias_rate=0.01")
     mesh = make_mesh(4, 2)
-    with float32_matmuls():  # float32 routing, as the reference's
-        with jax.set_mesh(mesh):
-            state = jax.jit(train.fresh_state, out_shardings=make_shardings(train.State, mesh))(weights)
-            new, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), cfg)
+    with jax.set_mesh(mesh):  # float32 routing, as the reference's
+        state = jax.jit(train.fresh_state, out_shardings=make_shardings(train.State, mesh))(weights)
+        new, metrics = train.training_step(state, jnp.uint32(0), *put_batch(mesh, batch), float32_config(cfg))
     loads = np.stack([load for load, _ in reference_of(cfg, weights, batch)[2]])
     moved = np.asarray(new.weights.layers.expert_bias) - weights.layers.expert_bias
     np.testing.assert_allclose(moved, 0.01 * np.sign(loads.mean(axis=1, keepdims=True) - loads), atol=1e-7)
@@ -212,9 +212,8 @@ def test_float32_training_steps_agree_on_every_mesh(default_dataset):
     same load: the dispatch does not depend on how tokens are grouped per device (measured at most 8.2e-8).
     (Context parallelism: the float32 test above, on 2x2x2.) A test of its own, apart from the bf16 one
     below, so that the two run side by side."""
-    with float32_matmuls():
-        exact = {mesh: [(m["loss"], m["expert_load"]) for m in run]
-                 for mesh, run in metrics_on_meshes(mesh_config(default_dataset), MESHES, steps=3).items()}
+    runs = metrics_on_meshes(float32_config(mesh_config(default_dataset)), MESHES, steps=3)
+    exact = {mesh: [(m["loss"], m["expert_load"]) for m in run] for mesh, run in runs.items()}
     for mesh_shape, run in exact.items():
         for a, b in zip(run, exact[1, 1, 1]):
             assert abs(a[0] / b[0] - 1) <= 1e-6 and a[1] == b[1], (mesh_shape, run, exact[1, 1, 1])
