@@ -60,17 +60,17 @@ class KVCache:
     v: Array[b"layers", bf16[b"B/d S K/t D"]]
 
 
-def init_cache(h: ModelConfig, batch: int, length: int, mesh) -> KVCache:
+def init_cache(arch: ModelConfig, batch: int, length: int, mesh) -> KVCache:
     @partial(jax.jit, out_shardings=make_shardings(KVCache, mesh))
     def zeros():
-        shape = (h.layers, batch, length, h.n_kv, h.d_head)
+        shape = (arch.layers, batch, length, arch.n_kv, arch.d_head)
         return KVCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
 
     return zeros()
 
 
 @typechecked
-def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"],
+def forward_cached(arch: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b"B/d L"],
                    start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
     """Runs inputs at cache positions [start, start + L): writes their keys and values into the
     cache and attends over the cache up to each position. Returns the logits of the last input."""
@@ -80,22 +80,23 @@ def forward_cached(h: ModelConfig, w: train.Model, cache: KVCache, inputs: u32[b
     # Causal over the cache (positions after the last written one are in the future); one document.
     one_document = jnp.zeros((B, L), jnp.uint32), jnp.zeros((B, S), jnp.uint32)
     mask = causal_document_mask(position, jnp.arange(S, dtype=jnp.uint32), *one_document)
-    rotation = train.rope_rotation(jnp.broadcast_to(position, (B, L)), h.d_head, h.rope_base)
+    rotation = train.rope_rotation(jnp.broadcast_to(position, (B, L)), arch.d_head, arch.rope_base)
     x = train.embed_tokens(w, inputs)
 
     def layer(x, weights_and_cache):
         w_layer, k_cache, v_cache = weights_and_cache
 
         def attend_over_cache(q, k, v):
-            k_all = lax.dynamic_update_slice_in_dim(k_cache, k, start, axis=1)  # B S K D
-            v_all = lax.dynamic_update_slice_in_dim(v_cache, v, start, axis=1)
+            # The cache holds bfloat16 whatever model.matmul_dtype is (a float32 run's keys are rounded there).
+            k_all = lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)  # B S K D
+            v_all = lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
             return dense_attention(q, k_all, v_all, mask), (k_all, v_all)
 
-        x, cache, _ = train.transformer_layer(h, x, w_layer, rotation, attend_over_cache)  # routing: training's
+        x, cache, _ = train.transformer_layer(arch, x, w_layer, rotation, attend_over_cache)  # routing: training's
         return x, cache
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))
-    return train.output_logits(h, w, x[:, -1:])[:, 0], KVCache(k, v)
+    return train.output_logits(arch, w, x[:, -1:])[:, 0], KVCache(k, v)
 
 
 def choose_tokens(logits, key, index, temperature: float, top_k: int, max_token_id: int):
@@ -115,8 +116,8 @@ def choose_tokens(logits, key, index, temperature: float, top_k: int, max_token_
     return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.uint32)
 
 
-@partial(jax.jit, static_argnames=("h", "temperature", "top_k", "max_token_id"), donate_argnames=("cache",))
-def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, temperature: float, top_k: int,
+@partial(jax.jit, static_argnames=("arch", "temperature", "top_k", "max_token_id"), donate_argnames=("cache",))
+def decode_step(weights, cache, inputs, start, key, index, arch: ModelConfig, temperature: float, top_k: int,
                 max_token_id: int):
     """Prefill (L = prompt length + 1) or one decoding step (L = 1): (next tokens [B, 1], cache)."""
 
@@ -125,7 +126,7 @@ def decode_step(weights, cache, inputs, start, key, index, h: ModelConfig, tempe
                   start: u32[b""]) -> tuple[f32[b"B/d V/t"], KVCache]:
         # Sampling runs with c = 1, but the weights' annotations split M over d and c, so every
         # value is typed as varying over c: a sum over c's one device types it as the same.
-        return jax.tree.map(lambda x: lax.psum(x, "c"), forward_cached(h, w, cache, inputs, start))
+        return jax.tree.map(lambda x: lax.psum(x, "c"), forward_cached(arch, w, cache, inputs, start))
 
     logits, cache = on_device(weights, cache, inputs, start)
     return choose_tokens(logits, key, index, temperature, top_k, max_token_id)[:, None], cache
@@ -138,20 +139,20 @@ def cache_size(mesh, prompt_length: int, num_samples: int, max_new_tokens: int) 
     return math.ceil(num_samples / d) * d, 1 + prompt_length + max_new_tokens - 1
 
 
-def generate(h: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
+def generate(arch: ModelConfig, weights: train.Model, mesh, prompt: list[int], num_samples: int, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, seed: int = 0, max_token_id: int | None = None,
              verbose: bool = False) -> np.ndarray:
     """max_new_tokens tokens [num_samples, max_new_tokens] after the prompt's ids."""
     batch, length = cache_size(mesh, len(prompt), num_samples, max_new_tokens)
     inputs = np.tile(np.array([0, *prompt], np.uint32), (batch, 1))
     with jax.set_mesh(mesh):
-        cache = init_cache(h, batch, length, mesh)
+        cache = init_cache(arch, batch, length, mesh)
         if verbose:
             shard = cache.k.sharding.shard_shape(cache.k.shape)
             print(f"KV cache: 2 x bf16{list(cache.k.shape)} (layers B S K D), per device 2 x bf16{list(shard)} = "
                   f"{2 * math.prod(shard) * 2 / 2**20:.2f} MiB", file=sys.stderr)
-        settings = dict(h=h, temperature=float(temperature), top_k=int(top_k),
-                        max_token_id=int(h.vocab - 1 if max_token_id is None else max_token_id))
+        settings = dict(arch=arch, temperature=float(temperature), top_k=int(top_k),
+                        max_token_id=int(arch.vocab - 1 if max_token_id is None else max_token_id))
         key = jax.random.key(seed)
         tokens = jax.device_put(inputs, NamedSharding(mesh, P("d", None)))
         start, out = 0, []
@@ -205,9 +206,9 @@ def prompt_and_tokenizer(args, run) -> tuple[list[int], object, int]:
     return list(args.prompt_ids), tokenizer, largest
 
 
-def check_cache_fits(h: ModelConfig, batch: int, length: int, mesh):
+def check_cache_fits(arch: ModelConfig, batch: int, length: int, mesh):
     """Refuses, before allocating it, a KV cache larger than the memory its devices have free."""
-    shape = (h.layers, batch, length, h.n_kv, h.d_head)
+    shape = (arch.layers, batch, length, arch.n_kv, arch.d_head)
     shard = make_shardings(KVCache, mesh).k.shard_shape(shape)
     device = mesh.devices.flat[0]
     # CPU devices share the host's memory: the whole cache must fit; else each device its shard.

@@ -10,7 +10,7 @@ Dimension names, used the same way in every annotation and spec string:
     N  rows for experts              I  devices of d (senders)
     layers  transformer blocks (weights stacked, run one after another)
 Mesh axes: `d` splits the batch and, FSDP-style, the weights (gathered one layer at a time, sent as
-model.matmul_dtype; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff and
+the matmul type; their gradients come back reduce-scattered in float32); `t` splits heads, d_ff and
 vocabulary (tensor parallelism, Megatron-style) and, between blocks, the residual stream's M
 (`B/d L/c M/t`): each block all-gathers it over t before its norm and reduce-scatters its output;
 `c` splits every row's positions (context parallelism: each device holds two chunks of each row,
@@ -18,10 +18,11 @@ data_loader.zigzag_chunks; attention passes keys and values around the c ring) a
 weights.
 
 Precision: weights, optimizer state, the residual stream and norms in float32; matmul operands in
-model.matmul_dtype (bfloat16; float32 where a test checks the
-math against tests/reference.py) with float32 accumulation; every sum across devices in float32.
+model.matmul_dtype (bfloat16; float32 where a test checks the math against tests/reference.py) with
+float32 accumulation; every sum across devices in float32.
 
-Names: `cfg` is a run's Config, `h` its model section, `training` its training section (config.py).
+Names: `cfg` is a run's Config, `arch` its model section (the architecture), `training` its training
+section (config.py); `w` weights, `x` the residual stream, `nx` its normed value as matmul operand.
 """
 
 import contextlib
@@ -42,25 +43,29 @@ import jax.numpy as jnp
 from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
-from seqax import run_lock
+from seqax import flops, run_lock
 from seqax.attention import training_attention
 from seqax.checkpoint import Checkpointer
 from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict, run_hydra
 from seqax.data_loader import make_loader, zigzag_chunks
 from seqax.evaluation import Evaluation
+from seqax.expert_dispatch import plan_dispatch, received_blocks
 from seqax.flat_tokens import open_flat_tokens
 from seqax.grouped_swiglu import grouped_swiglu
 from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from seqax.memory import check_step_fits
 from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
+from seqax.muon_sharding import layer_matrices, matrix_shape, orthogonalized_here, padded_to_devices
 from seqax.records import RunRecords
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
-from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, ragged_all_to_all, take_unreduced
+from seqax.shardlib.shardops import index_unreduced, inverse, pmax, pmean, psum, psum_scatter, ragged_all_to_all
+from seqax.shardlib.shardops import take_unreduced
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
 from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
 from seqax.startup_report import StartupReport, compile_step
 from seqax.validation import check_attention_blocks, validate_config
+from seqax.xla_cpu import normal_drawn_as, transposed_weight
 
 # ---------------------------------------------------------------------------------------------
 # Weights. Every field says its shape and sharding; the optimizers' state has the same types.
@@ -80,7 +85,7 @@ class Layer:
     # The mixture of experts (model.experts = E > 0; with 0 these are empty and the model is dense).
     router: f32[b"M E"]
     expert_bias: f32[b"E"]  # added to the router's scores to pick experts, not to weigh them: load balance
-    expert_gate: f32[b"E/d M/c/t H"]  # expert parallelism: E / d experts a device (routed_experts)
+    expert_gate: f32[b"E/d M/c/t H"]  # expert parallelism: E / d experts a device (experts_block)
     expert_up: f32[b"E/d M/c/t H"]
     expert_down: f32[b"E/d H M/c/t"]
 
@@ -114,39 +119,36 @@ class Routing:
     """What one layer's router did with this device's tokens."""
 
     load: f32[b"E"]  # rows (a token's choice of an expert) each expert got
-    balance_loss: f32[b""]  # this device's share of the sequence-wise balance loss (routed_experts)
+    balance_loss: f32[b""]  # this device's share of the sequence-wise balance loss (experts_block)
 
 
-def init_weights(h: ModelConfig, key: jax.Array) -> Model:
+def init_weights(arch: ModelConfig, key: jax.Array) -> Model:
     """Normal weights with std 1/sqrt(fan_in) (embeddings: std 1), norms at 1. Run under jit
     with sharded outputs: each device draws only its shard, and the values do not depend on
     the mesh (threefry is partitionable)."""
-    M, Q, K, D, F, V, n = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head, h.d_ff, h.vocab, h.layers
-    E, H = h.experts, h.expert_d_ff
+    M, Q, K, D, F, V, layers = arch.d_model, arch.n_q_per_kv, arch.n_kv, arch.d_head, arch.d_ff, arch.vocab, arch.layers
+    E, H = arch.experts, arch.expert_d_ff
 
-    # XLA:CPU only: `drawn_as` draws the same values with unsplit dimensions merged, which XLA:CPU
-    # compiles several times faster (docs/performance.md, "Start-up").
-    def normal(name, shape, fan_in, drawn_as=None):
-        values = jax.random.normal(fold_in_str(key, name), drawn_as or shape, jnp.float32)
-        return values.reshape(shape) / math.sqrt(fan_in)
+    def normal(name, shape, fan_in, drawn_as=None):  # drawn_as: the same values, drawn faster on XLA:CPU
+        return normal_drawn_as(fold_in_str(key, name), shape, drawn_as or shape) / math.sqrt(fan_in)
 
-    layers = Layer(
-        attn_norm=jnp.ones((n, M)),
-        w_q=normal("w_q", (n, M, Q, K, D), M, drawn_as=(n, M * Q, K * D)),
-        w_k=normal("w_k", (n, M, K, D), M, drawn_as=(n, M, K * D)),
-        w_v=normal("w_v", (n, M, K, D), M, drawn_as=(n, M, K * D)),
-        w_o=normal("w_o", (n, Q, K, D, M), Q * K * D, drawn_as=(n * Q, K * D, M)),
-        ffn_norm=jnp.ones((n, M)),
-        w_gate=normal("w_gate", (n, M, F), M),
-        w_up=normal("w_up", (n, M, F), M),
-        w_down=normal("w_down", (n, F, M), F),
-        router=normal("router", (n, M, E), M),
-        expert_bias=jnp.zeros((n, E)),
-        expert_gate=normal("expert_gate", (n, E, M, H), M),
-        expert_up=normal("expert_up", (n, E, M, H), M),
-        expert_down=normal("expert_down", (n, E, H, M), H),
+    weights = Layer(
+        attn_norm=jnp.ones((layers, M)),
+        w_q=normal("w_q", (layers, M, Q, K, D), M, drawn_as=(layers, M * Q, K * D)),
+        w_k=normal("w_k", (layers, M, K, D), M, drawn_as=(layers, M, K * D)),
+        w_v=normal("w_v", (layers, M, K, D), M, drawn_as=(layers, M, K * D)),
+        w_o=normal("w_o", (layers, Q, K, D, M), Q * K * D, drawn_as=(layers * Q, K * D, M)),
+        ffn_norm=jnp.ones((layers, M)),
+        w_gate=normal("w_gate", (layers, M, F), M),
+        w_up=normal("w_up", (layers, M, F), M),
+        w_down=normal("w_down", (layers, F, M), F),
+        router=normal("router", (layers, M, E), M),
+        expert_bias=jnp.zeros((layers, E)),
+        expert_gate=normal("expert_gate", (layers, E, M, H), M),
+        expert_up=normal("expert_up", (layers, E, M, H), M),
+        expert_down=normal("expert_down", (layers, E, H, M), H),
     )
-    return Model(embed=normal("embed", (V, M), 1), layers=layers, final_norm=jnp.ones((M,)),
+    return Model(embed=normal("embed", (V, M), 1), layers=weights, final_norm=jnp.ones((M,)),
                  unembed=normal("unembed", (M, V), M))
 
 
@@ -209,144 +211,125 @@ def rope(x, sin, cos):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def routed_experts(h: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Routing]:
-    """The mixture of experts on the normed stream [B/d, L/c, M], `normed` in float32 and nx its
-    model.matmul_dtype rounding: its output [B/d, L/c, M] (float32, partial sums over t) and the layer's
-    Routing. The router reads `normed`: a choice that a rounding of nx could flip would differ between
-    meshes, whose float32 sums differ in their last bits. Each token goes to the experts_per_token
-    (k) experts of highest score + expert_bias and returns the sum of their SwiGLUs, weighed by its
-    gates: the sigmoids of its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3,
-    Liu et al. 2024: the bias balances the load by changing who is picked, never a gate's value).
+def attention_block(arch: ModelConfig, x, w: Layer, rotation, attend):
+    """Pre-RMSNorm grouped-query attention (Ainslie et al. 2023: Q query heads share each of the K kv heads)
+    with RoPE (rotation: rope_rotation's sin and cos) on the residual stream x [B/d, L/c, M/t] (float32).
+    `attend(q, k, v) -> (o, extra)` is the attention proper: training attends within documents
+    (training_layer); sample.py attends over its KV cache and returns the updated cache as `extra`.
+    Returns (x plus the block's output, extra)."""
+    dtype = arch.matmul_dtype
+    nx = all_gather("B/d L/c M/t -> B/d L/c M", x)  # the norm needs all of M
+    nx = save_for_backward(rms_norm(nx, w.attn_norm, arch.norm_eps).astype(dtype))
+    # FSDP: gather this layer's weights over d and c, cast to the matmul type before they cross the
+    # wire; the gradients come back as float32 reduce-scatters (all_gather_cast's transpose).
+    w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, dtype)
+    w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, dtype)
+    w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, dtype)
+    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
+    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
+    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(dtype)
+    q, k = rope(q, *rotation).astype(dtype), rope(k, *rotation).astype(dtype)
+    # Training's attend (attention.training_attention's kernel) keeps q, k, v, o and its log-sum-exp for backward.
+    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
+    w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, dtype)
+    out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
+    return save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out)), extra
+
+
+def mlp_block(arch: ModelConfig, nx, w: Layer):
+    """SwiGLU (Shazeer 2020): (silu(nx w_gate) * nx w_up) w_down of the normed stream nx [B/d, L/c, M]
+    (the matmul type): [B/d, L/c, M], float32 partial sums over t."""
+    dtype = arch.matmul_dtype
+    w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, dtype)
+    w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, dtype)
+    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(dtype))
+    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(dtype))
+    gate_f32 = gate.astype(jnp.float32)  # silu(gate) * up in float32, rounded once (as grouped_swiglu)
+    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(dtype)
+    w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, dtype)
+    return einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, transposed_weight(w_down))
+
+
+def experts_block(arch: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Routing]:
+    """The mixture of experts on the normed stream [B/d, L/c, M], `normed` in float32 and nx its rounding to
+    the matmul type: its output [B/d, L/c, M] (float32, partial sums over t) and the layer's Routing. The
+    router reads `normed`: a choice that a rounding of nx could flip would differ between meshes, whose
+    float32 sums differ in their last bits. Each token goes to the top_k (experts_per_token) experts of
+    highest score + expert_bias and returns the sum of their SwiGLUs, weighed by its gates: the sigmoids of
+    its router logits at the chosen experts, normalized to sum to 1 (DeepSeek-V3, Liu et al. 2024: the bias
+    balances the load by changing who is picked, never a gate's value).
 
     Expert parallelism over d: device i of d holds experts i E/d .. (i + 1) E/d - 1 (split over c and t
-    FSDP-style, gathered a layer at a time), and each row goes to its expert's device and back, a ragged
-    all-to-all each way. The t devices of a group hold the same tokens: each sends its share of them, so
-    that a row is computed once, whole (all of H), and its output rounded once to model.matmul_dtype: the same
-    on any mesh. Dropless: every (token, choice) row is computed, whichever device it lands on, by the
-    same matmuls. There the rows of each expert are listed in blocks of expert_block rows (padded to whole
-    blocks), and grouped_swiglu runs each expert's SwiGLU over its blocks only: a loop whose length is the
-    load. Buffers are sized for the worst load (every row of the d devices to one device), the work for
-    the real one."""
+    FSDP-style, gathered a layer at a time), and each row (a token's choice of an expert) goes to its
+    expert's device and back, a ragged all-to-all each way. The t devices of a group hold the same tokens:
+    each sends its share of them (expert_dispatch.py), so that a row is computed once, whole (all of H), and
+    its output rounded once to the matmul type: the same on any mesh. Dropless: every row is computed,
+    whichever device it lands on, by the same matmuls; grouped_swiglu runs each expert's SwiGLU over the
+    blocks of rows it got only: a loop whose length is the load. Buffers are sized for the worst load
+    (every row of the d devices to one device), the work for the real one."""
     B, L, M = nx.shape
-    E, k, b = h.experts, h.experts_per_token, h.expert_block
+    E, top_k, dtype = arch.experts, arch.experts_per_token, arch.matmul_dtype
     scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", normed, w.router))  # float32 [B, L, E]
-    _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, k)  # [B, L, k]; a tie goes to the lower index
+    _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, top_k)  # [B, L, top_k]; a tie: the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
     gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     picked = jnp.sum(chosen[..., None] == jnp.arange(E), axis=(1, 2), dtype=jnp.int32)  # [B, E] per sequence
-    # Dispatch. This device's share of the group's B L tokens: T of them from `first` (the last share padded
-    # past B L with tokens of no expert, E). Row r is token first + r // k's choice r % k; the rows go in
-    # expert order to their experts' devices (E / d experts a device), which compute them and send them back.
-    d, t, here = lax.axis_size("d"), lax.axis_size("t"), E // lax.axis_size("d")
-    T = -(-B * L // t)
-    first = lax.axis_index("t") * T
-
-    def share(x, fill):  # this device's T tokens of x [B, L, k], padded with `fill`
-        padded = jnp.pad(x.reshape(B * L, k), ((0, T * t - B * L), (0, 0)), constant_values=fill)
-        return lax.dynamic_slice_in_dim(padded, first, T)
-
-    expert = share(chosen, E).reshape(-1)
-    N = expert.size
-    one_hot = expert[:, None] == jnp.arange(E + 1)  # [N, E + 1]: padding rows in the last column
-    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0, dtype=jnp.int32), expert[:, None], axis=1)[:, 0] - 1
-    count = jnp.sum(one_hot, axis=0, dtype=jnp.int32)
-    position = (jnp.cumsum(count) - count)[expert] + rank  # each row's place in expert order (padding last)
-    in_order = jnp.zeros(N, jnp.int32).at[position].set(jnp.arange(N, dtype=jnp.int32))
-    sizes = jnp.sum(count[:E].reshape(d, here), axis=1)  # rows for each device of d (padding rows unsent)
-    rows = nx.reshape(B * L, M).at[first + in_order // k].get(mode="clip")  # (a padding row reads some token)
-    received = ragged_all_to_all("N M -> d N M", rows, sizes)  # slot s: device s's rows
-    # Here, slot s holds first sent[s, 0] rows of this device's first expert, then sent[s, 1] of its second...
-    sent = all_to_all("I/d E -> I E/d", count[None, :E])  # [d, here]: rows each device sent to each expert here
-    i, ends_in_slot = jnp.arange(N), jnp.cumsum(sent, axis=1)
-    local = jnp.minimum(jnp.sum(i[:, None] >= ends_in_slot[:, None], axis=2), here - 1)  # [d, N]: each row's expert
-    # A row's place among its expert's rows: those from the devices before its sender's, then its own.
-    place = (jnp.cumsum(sent, axis=0) - ends_in_slot)[jnp.arange(d)[:, None], local] + i
-    # The rows of each expert here listed in blocks of b, padded to whole blocks: enough blocks for any load.
-    blocks = -(-jnp.sum(sent, axis=0) // b)
-    ends = jnp.cumsum(blocks)
-    n = (d * N + here * (b - 1)) // b
-    slot = jnp.where(i < jnp.sum(sent, axis=1)[:, None], (ends - blocks)[local] * b + place, n * b)  # [d, N]
-    listed = jnp.full(n * b, d * N, jnp.int32).at[slot.reshape(-1)].set(jnp.arange(d * N), mode="drop")
-    expected = -(-(N // max(here, 1) + b // 2) // b)  # an expert's blocks at a balanced load, half a block padding
+    # Dispatch: this device's share of the group's tokens, its N rows in expert order to their experts' devices.
+    d, t = lax.axis_size("d"), lax.axis_size("t")
+    route = plan_dispatch(chosen, E, d, t, lax.axis_index("t"))
+    N = route.expert.size
+    received = ragged_all_to_all("N M -> d N M", route.rows_in_expert_order(nx), route.sizes)  # slot s: device s's
+    sent = all_to_all("I/d E -> I E/d", route.count[None, :E])  # [d, E/d]: rows each device sent each expert here
+    listed, ends, expected = received_blocks(sent, N, arch.expert_block)
     # The experts here, whole: gathered over c and t (FSDP) and cast.
-    gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, h.matmul_dtype)
-    up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, h.matmul_dtype)
-    down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, h.matmul_dtype)
-    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as the dense one's math,
-    # rounded to model.matmul_dtype and written over the received rows (no second buffer of d N rows).
-    out = grouped_swiglu(received.reshape(d * N, M), listed.reshape(n, b), gate_w, up_w, down_w, ends, expected)
+    gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, dtype)
+    up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, dtype)
+    down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, dtype)
+    # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as mlp_block's math,
+    # rounded to the matmul type and written over the received rows (no second buffer of d N rows).
+    out = grouped_swiglu(received.reshape(d * N, M), listed, gate_w, up_w, down_w, ends, expected)
     # Back here, in row order; kept for backward (N rows, not the d N of the buffers), else recomputed.
-    out = save_for_backward(ragged_all_to_all("d N M -> N M", out.reshape(d, N, M), sizes)[position])
-    out = jnp.einsum("tkm,tk->tm", out.reshape(T, k, M), share(gates, 0.0))  # combine, in float32
-    # Into the group's B L tokens, zeros in the others' shares: partial sums over t, as the dense SwiGLU's.
-    out = lax.dynamic_update_slice_in_dim(jnp.zeros((T * t, M), jnp.float32), out, first, 0)[:B * L]
-    # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / k x the
+    out = save_for_backward(ragged_all_to_all("d N M -> N M", out.reshape(d, N, M), route.sizes)[route.position])
+    out = jnp.einsum("tkm,tk->tm", out.reshape(route.tokens, top_k, M), route.share(gates, 0.0))  # float32
+    out = route.in_group_tokens(out, B * L)  # zeros in the other shares: partial sums over t, as mlp_block's
+    # The sequence-wise balance loss (DeepSeek-V3, eq. 17-20) of each row: sum_i f_i P_i, f_i = E / top_k x the
     # fraction of the row's choices that picked expert i (whole rows: a sum over c), P_i = expert i's mean
     # score, normalized over experts. Linear in P: each device adds its positions' share. Mean over rows.
     row_length = L * lax.axis_size("c")
-    f = lax.psum(picked.astype(jnp.float32), "c") * (jnp.float32(E) / (k * row_length))  # (no experts: empty)
+    f = psum("B E", picked.astype(jnp.float32), "c") * (jnp.float32(E) / (top_k * row_length))  # (no experts: empty)
     P = jnp.sum(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=1) / row_length
     # The t devices of a group hold the same value: their mean is the value, invariant over t. (Were
     # it added to the loss on each t device, autodiff would count it, and the cross-entropy, t times.)
-    balance_loss = lax.pmean(jnp.sum(lax.stop_gradient(f) * P), "t") / (B * lax.axis_size("d"))
+    balance_loss = pmean("", jnp.sum(lax.stop_gradient(f) * P), "t") / (B * lax.axis_size("d"))
     return out.reshape(B, L, M), Routing(jnp.sum(picked, axis=0).astype(jnp.float32), balance_loss)
 
 
-def transformer_layer(h: ModelConfig, x, w: Layer, rotation, attend):
-    """One block on the residual stream x [B/d, L/c, M/t] (float32): pre-RMSNorm grouped-query attention
-    (Ainslie et al. 2023: Q query heads share each of the K kv heads) with RoPE (rotation: rope_rotation's
-    sin and cos), then pre-RMSNorm SwiGLU (Shazeer 2020) plus the mixture of experts (routed_experts;
-    nothing when model.experts is 0). `attend(q, k, v) -> (o, extra)` is the attention proper: training
-    attends within documents (training_layer); sample.py attends over its KV cache and returns the
-    updated cache as `extra`. Returns (x after the block, extra, Routing)."""
-    nx = all_gather("B/d L/c M/t -> B/d L/c M", x)  # the norm needs all of M
-    nx = save_for_backward(rms_norm(nx, w.attn_norm, h.norm_eps).astype(h.matmul_dtype))
-    # FSDP: gather this layer's weights over d and c, cast to model.matmul_dtype before they cross the
-    # wire; the gradients come back as float32 reduce-scatters (all_gather_cast's transpose).
-    w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, h.matmul_dtype)
-    w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, h.matmul_dtype)
-    w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, h.matmul_dtype)
-    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
-    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
-    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(h.matmul_dtype)
-    q, k = rope(q, *rotation).astype(h.matmul_dtype), rope(k, *rotation).astype(h.matmul_dtype)
-    # Training's attend (attention.training_attention's kernel) keeps q, k, v, o and its log-sum-exp for backward.
-    o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
-    w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, h.matmul_dtype)
-    out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
-    x = save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out))
-
-    normed = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.ffn_norm, h.norm_eps)  # float32
-    nx = save_for_backward(normed.astype(h.matmul_dtype))
-    w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, h.matmul_dtype)
-    w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, h.matmul_dtype)
-    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(h.matmul_dtype))
-    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(h.matmul_dtype))
-    # XLA:CPU only: silu(gate) * up in float32, rounded once (faster there than bf16; docs/performance.md).
-    gate_f32 = gate.astype(jnp.float32)
-    hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(h.matmul_dtype)
-    w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, h.matmul_dtype)
-    # XLA:CPU only: w_down enters transposed, [M, F/t] (stored [F, M]), so that XLA:CPU's weight
-    # gradient transposes the output gradient, not hidden (docs/performance.md, "w_down").
-    out = einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, jnp.transpose(w_down))  # partial sums over t
-    experts_out, routing = routed_experts(h, normed, nx, w)
+def transformer_layer(arch: ModelConfig, x, w: Layer, rotation, attend):
+    """One block on the residual stream x [B/d, L/c, M/t] (float32): attention_block, then pre-RMSNorm
+    mlp_block plus experts_block (nothing when model.experts is 0). Returns (x after the block, attend's
+    extra, Routing)."""
+    x, extra = attention_block(arch, x, w, rotation, attend)
+    normed = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.ffn_norm, arch.norm_eps)  # float32
+    nx = save_for_backward(normed.astype(arch.matmul_dtype))
+    out = mlp_block(arch, nx, w)
+    experts_out, routing = experts_block(arch, normed, nx, w)
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out + experts_out), extra, routing
 
 
 @typechecked
-def training_layer(h: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"],
+def training_layer(arch: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_start: u32[b"B/d L/c"],
                    sin: f32[b"B/d L/c R"], cos: f32[b"B/d L/c R"],
                    row_position: u32[b"L/c"]) -> tuple[f32[b"B/d L/c M/t"], Routing]:
     """transformer_layer as training runs it: causal attention within documents, by blocks, over
     the keys of every device of the c ring (row_position: where each token sits in the row), by the
     kernel model.attention_kernel names: "auto" is the fast one for the mesh's platform (Pallas on GPUs
     and TPUs, blockwise on CPUs); "reference" is the readable one whose gradient is autodiff's (README)."""
-    attention = training_attention(h.attention_kernel)
+    attention = training_attention(arch.attention_kernel)
 
     def attend(q, k, v):
-        return attention(q, k, v, doc_start, row_position, h.attention_block), None
+        return attention(q, k, v, doc_start, row_position, arch.attention_block), None
 
-    x, _, routing = transformer_layer(h, x, w, (sin, cos), attend)
+    x, _, routing = transformer_layer(arch, x, w, (sin, cos), attend)
     return x, routing
 
 
@@ -357,56 +340,41 @@ def embed_tokens(w: Model, inputs):
     return psum_scatter("B/d L/c M -> B/d L/c M/t", index_unreduced("V/t M, B/d L/c -> B/d L/c M", embed, inputs))
 
 
-def output_logits(h: ModelConfig, w: Model, x):
+def output_logits(arch: ModelConfig, w: Model, x):
     """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x."""
-    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, h.norm_eps).astype(h.matmul_dtype)
-    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, h.matmul_dtype)
+    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, arch.norm_eps).astype(arch.matmul_dtype)
+    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.matmul_dtype)
     return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed)
 
 
 @typechecked
-def forward(h: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
+def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
             is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], Array[b"layers", Routing]]:
     """Next-token logits at every position of packed documents, and each layer's Routing (stacked).
     The input of a document's first position is token 0 (begin of document)."""
     length = inputs.shape[1] * lax.axis_size("c")
-    check_attention_blocks(h, length, lax.axis_size("c"))
+    check_attention_blocks(arch, length, lax.axis_size("c"))
     # With c > 1 a token's document start and position depend on other devices' chunks: whole rows and back.
     doc_start, position = (this_devices_chunks(x) for x in document_positions(whole_rows(is_seq_start)))
     row_position = this_devices_chunks(jnp.arange(length, dtype=jnp.uint32)[None, :])[0]
-    sin, cos = rope_rotation(position, h.d_head, h.rope_base)
+    sin, cos = rope_rotation(position, arch.d_head, arch.rope_base)
     x = embed_tokens(w, inputs)
 
     @explicit_activation_checkpointing
     def body(x, layer_weights):
-        return training_layer(h, x, layer_weights, doc_start, sin, cos, row_position)
+        return training_layer(arch, x, layer_weights, doc_start, sin, cos, row_position)
 
     # A Python loop, not lax.scan: a scan copies every value saved for backward into a [layers, ...]
     # stack and back out: 11-12% of a 1B step on an H200 (docs/performance.md). Compile time grows with layers.
     routings = []
-    for i in range(h.layers):
+    for i in range(arch.layers):
         x, routing = body(x, jax.tree.map(operator.itemgetter(i), w.layers))  # layer i's weights
         routings.append(routing)
-    return output_logits(h, w, x), jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
-
-
-def model_flops_per_token(h: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (MFU's numerator), from the weights' shapes: 2 per multiply-add of every
-    matrix a token goes through (the layers' weights of 2 or more dimensions, of the experts only the
-    experts_per_token of `experts` a token goes to, the unembedding; the embedding is a lookup), plus
-    attention's QK^T and PV over the causal half of the L x L scores (PaLM, app. B); x 3 for forward +
-    backward. Norms, RoPE, softmax, routing, the optimizer, recomputation: left out (MFU, not HFU)."""
-    w = jax.eval_shape(lambda: init_weights(h, jax.random.key(0)))
-    experts = sum(x.size for x in (w.layers.expert_gate, w.layers.expert_up, w.layers.expert_down))
-    active = experts * h.experts_per_token // max(h.experts, 1)  # active parameters only
-    matrices = sum(x.size for x in jax.tree.leaves(w.layers) if x.ndim > 2) - experts + active + w.unembed.size
-    layers, _, *heads = w.layers.w_q.shape  # heads: Q K D
-    attention = layers * 2 * (2 * math.prod(heads) * seq_len) / 2  # QK^T and PV against every key, halved
-    return 3.0 * (2 * matrices + attention)
+    return output_logits(arch, w, x), jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
 
 
 @typechecked
-def token_losses(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
+def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
                  is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
     """The next-token cross-entropy of every target of packed documents: -log p(target), and each
     layer's Routing. Each document's first token is predicted from input token 0, so every token of
@@ -418,44 +386,35 @@ def token_losses(h: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
     row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)
     shifted = jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))  # [B/d, L]: position i holds target i - 1
     inputs = this_devices_chunks(jnp.where(row_starts, 0, shifted))
-    logits, routing = forward(h, w, inputs, is_seq_start)  # float32
+    logits, routing = forward(arch, w, inputs, is_seq_start)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t; take_unreduced picks the target's logit on the device holding it.
-    max_logit = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
+    max_logit = pmax("B/d L/c", lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
     sum_exp = psum("B/d L/c", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
     target_logit = psum("B/d L/c", take_unreduced("B/d L/c V/t, B/d L/c -> B/d L/c", logits, targets), "t")
     return max_logit + jnp.log(sum_exp) - target_logit, routing
 
 
-def model_loss(h: ModelConfig, balance_weight: float, w: Model, targets, is_seq_start, loss_mask):
+def model_loss(arch: ModelConfig, balance_weight: float, w: Model, targets, is_seq_start, loss_mask):
     """This device's share of what training minimizes: the mean token_losses over the global batch's real
     tokens (not padding: loss_mask), plus balance_weight x the layers' balance losses. Also returns the
     cross-entropy share alone and the experts' loads [layers, E] (aux)."""
-    global_tokens = lax.psum(jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c"))
-    losses, routing = token_losses(h, w, targets, is_seq_start)
+    global_tokens = psum("", jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c"))
+    losses, routing = token_losses(arch, w, targets, is_seq_start)
     loss = jnp.sum(jnp.where(loss_mask, losses, 0.0)) / jnp.maximum(global_tokens, 1)
     return loss + balance_weight * jnp.sum(routing.balance_loss), (loss, routing.load)
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizers: Muon (Jordan et al. 2024, as modded-nanogpt defines it) for the Layer weights MUON
-# names, AdamW (Loshchilov & Hutter 2019; Kingma & Ba 2015's bias correction) for all others
-# (`MUON = {}`: AdamW alone). Both take the gradient clipped to a global norm, decay weights
-# decoupled and follow one schedule. Each entry: the spec that spreads the stacked layers over all
-# devices, each then holding whole matrices (its inverse brings them back), and how many of the last
-# dimensions are the matrix's rows and its columns (those before are a stack of matrices: an expert each).
-MUON = {
-    "w_q": ("layers M/d/c Q K/t D -> layers/d/c/t M Q K D", (1, 3)),  # [M, Q K D]
-    "w_k": ("layers M/d/c K/t D -> layers/d/c/t M K D", (1, 2)),
-    "w_v": ("layers M/d/c K/t D -> layers/d/c/t M K D", (1, 2)),
-    "w_o": ("layers Q K/t D M/d/c -> layers/d/c/t Q K D M", (3, 1)),  # [Q K D, M]
-    "w_gate": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
-    "w_up": ("layers M/d/c F/t -> layers/d/c/t M F", (1, 1)),
-    "w_down": ("layers F/t M/d/c -> layers/d/c/t F M", (1, 1)),
-    "expert_gate": ("layers E/d M/c/t H -> layers/d/c/t E M H", (1, 1)),  # E matrices [M, H] a layer
-    "expert_up": ("layers E/d M/c/t H -> layers/d/c/t E M H", (1, 1)),
-    "expert_down": ("layers E/d H M/c/t -> layers/d/c/t E H M", (1, 1)),
-}
+# Optimizers: Muon (Jordan et al. 2024, as modded-nanogpt defines it) for the layers' matrices, AdamW
+# (Loshchilov & Hutter 2019; Kingma & Ba 2015's bias correction) for all other weights. Both take the
+# gradient clipped to a global norm, decay weights decoupled and follow one schedule.
+
+# Muon's weights, read off Layer's annotations: every matrix of the layers, d_model against the rest (E
+# stacks the experts' matrices); gains, biases and the router go to AdamW (muon_sharding.layer_matrices).
+# name -> (the spec that spreads the stacked layers over all devices, each then holding whole matrices;
+# (rows, cols), how many of the last dimensions are the matrix's rows and columns). `MUON = {}`: AdamW alone.
+MUON = layer_matrices(Layer)
 NEWTON_SCHULZ_STEPS = 5
 
 
@@ -469,11 +428,11 @@ def schedule(training: TrainingConfig, step):
 
 
 def adamw_update(training: TrainingConfig, step, lr, w, g, mu, nu):
-    """One AdamW step of one weight array."""
+    """One AdamW step of one weight array, the `step`-th (0-based)."""
     mu = training.adam_b1 * mu + (1 - training.adam_b1) * g
     nu = training.adam_b2 * nu + (1 - training.adam_b2) * g * g
-    t = step.astype(jnp.float32) + 1
-    mu_hat, nu_hat = mu / (1 - training.adam_b1**t), nu / (1 - training.adam_b2**t)
+    count = step.astype(jnp.float32) + 1  # updates so far, this one included: the bias correction's exponent
+    mu_hat, nu_hat = mu / (1 - training.adam_b1**count), nu / (1 - training.adam_b2**count)
     return w - lr * (mu_hat / (jnp.sqrt(nu_hat) + training.adam_eps) + training.weight_decay * w), mu, nu
 
 
@@ -482,7 +441,7 @@ def newton_schulz(G, dtype):
     (bA + cA^2)X with A = X X^T (the smaller Gram matrix), from X = G / ||G|| (every singular value at
     most 1), whose coefficients Jordan et al. 2024 chose to bring singular values to about [0.7, 1.2]
     fast. A stack of matrices goes as batched matmuls: a few large kernels, not many small ones.
-    Operands in `dtype` (model.matmul_dtype), sums in float32."""
+    Operands in `dtype` (the matmul type), sums in float32."""
     a, b, c = 3.4445, -4.7750, 2.0315
     mm = partial(jnp.einsum, preferred_element_type=jnp.float32)
     X = G.astype(jnp.float32)
@@ -503,40 +462,15 @@ def muon_update(training: TrainingConfig, dtype, lr, w, g, momentum, spread: str
     beta, layers = training.muon_momentum, w.shape[0]
     momentum = beta * momentum + (1 - beta) * g
     g = (1 - beta) * g + beta * momentum  # Nesterov: the gradient, then the momentum it leads to
-    devices = lax.axis_size(("d", "c", "t"))
-    padded = jnp.pad(g.astype(dtype), [(0, -layers % devices)] + [(0, 0)] * (g.ndim - 1))
-    whole = all_to_all(spread, padded)  # [layers / devices, ...]: this device's matrices, whole
-    rows, cols = matrix
-    fan_in, fan_out = math.prod(whole.shape[-rows - cols : -cols]), math.prod(whole.shape[-cols:])
-    matrices = whole.reshape(math.prod(whole.shape[: -rows - cols]), fan_in, fan_out)
-
-    def wide(x):  # newton_schulz takes rows <= cols: a tall matrix goes as its transpose
-        # XLA:CPU only: the barrier materializes the transpose, which XLA:CPU would otherwise fold
-        # into a batched bf16 matmul that its runtime cannot run (DotThunk: "BF16 x BF16 = F32").
-        return lax.optimization_barrier(jnp.swapaxes(x, 1, 2)) if fan_in > fan_out else x
-
-    def skip(matrices):
-        return jnp.zeros_like(matrices, jnp.float32)
-
-    first = lax.axis_index(("d", "c", "t")) * whole.shape[0]  # a device that holds padding only skips the work
-    update = wide(lax.cond(first < layers, partial(newton_schulz, dtype=dtype), skip, wide(matrices)).astype(dtype))
-    update = all_to_all(inverse(spread), update.reshape(whole.shape))  # back to the weight's sharding
+    # Every device orthogonalizes whole matrices: the stacked layers (padded to a multiple of the devices)
+    # spread over all devices, and back to the weight's sharding (muon_sharding.py).
+    whole = all_to_all(spread, padded_to_devices(g.astype(dtype), lax.axis_size(("d", "c", "t"))))
+    update = orthogonalized_here(partial(newton_schulz, dtype=dtype), whole, matrix, layers, dtype)
+    update = all_to_all(inverse(spread), update)
+    fan_in, fan_out = matrix_shape(whole, matrix)
     scale = math.sqrt(max(1.0, fan_out / max(fan_in, 1)))  # (fan_in 0: the empty experts of a dense model)
     w = w - lr * (scale * update[:layers].astype(jnp.float32) + training.muon_weight_decay * w)
     return w, momentum
-
-
-def newton_schulz_flops(h: ModelConfig, devices: int) -> tuple[float, float]:
-    """FLOPs of a step's Newton-Schulz iterations, in all and on the busiest of `devices` (the
-    layers spread as muon_update spreads them): per matrix, wide as r x c, each step multiplies
-    X X^T (2 r^2 c), A A (2 r^3) and B X (2 r^2 c)."""
-    w = jax.eval_shape(lambda: init_weights(h, jax.random.key(0))).layers
-    per_layer = 0
-    for name, (_, (rows, cols)) in MUON.items():
-        shape = getattr(w, name).shape[1:]
-        r, c = sorted((math.prod(shape[-rows - cols : -cols]), math.prod(shape[-cols:])))
-        per_layer += NEWTON_SCHULZ_STEPS * math.prod(shape[: -rows - cols]) * (4 * r * r * c + 2 * r**3)
-    return h.layers * per_layer, -(-h.layers // devices) * per_layer
 
 
 class Update(typing.NamedTuple):
@@ -561,11 +495,11 @@ def balance_update(training: TrainingConfig, bias, load):
     return bias + training.expert_bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
 
 
-def optimizer_step(training: TrainingConfig, matmul_dtype, step, state: State, grads: Model, grad_norm,
-                   load) -> tuple[State, jax.Array]:
+def optimizer_step(cfg: Config, step, state: State, grads: Model, grad_norm, load) -> tuple[State, jax.Array]:
     """Muon on the weights MUON names, AdamW on the rest, from the gradients clipped to the global
     norm `grad_norm`; the experts' bias by their load [layers, E] of this step's batch. Returns the
     new state and AdamW's learning rate."""
+    training = cfg.training
     fraction = schedule(training, step)
     muon_lr, adamw_lr = training.muon_learning_rate * fraction, training.learning_rate * fraction
     clip = jnp.minimum(1.0, training.grad_clip / jnp.maximum(grad_norm, 1e-30))
@@ -573,7 +507,8 @@ def optimizer_step(training: TrainingConfig, matmul_dtype, step, state: State, g
     def update(path, w, g, momentum, mu, nu) -> Update:  # the state holds momentum or moments, None for the other
         rule = optimizer_of(path)
         if rule == "muon":
-            w, momentum = muon_update(training, matmul_dtype, muon_lr, w, g * clip, momentum, *MUON[path[-1].name])
+            w, momentum = muon_update(training, cfg.model.matmul_dtype, muon_lr, w, g * clip, momentum,
+                                      *MUON[path[-1].name])
         elif rule == "balance":
             w = balance_update(training, w, load)
         else:
@@ -608,9 +543,9 @@ def training_step(state: State, step, targets, is_seq_start, loss_mask, cfg: Con
         # devices of the gradients happens in the weights' gathers, whose transpose is a reduce-scatter.
         # Only the reported loss and the experts' load need the total, so they are summed here, outside autodiff.
         # (The t devices of a group route the same tokens: their load is counted once.)
-        loss, load = lax.psum(loss, ("d", "c")), lax.psum(load, ("d", "c", "t")) / lax.axis_size("t")
+        loss, load = psum("", loss, ("d", "c")), psum("layers E", load, ("d", "c", "t")) / lax.axis_size("t")
         grad_norm = global_norm(grads, Model)  # each gradient is sharded as its weight
-        state, lr = optimizer_step(cfg.training, cfg.model.matmul_dtype, step, state, grads, grad_norm, load)
+        state, lr = optimizer_step(cfg, step, state, grads, grad_norm, load)
         busiest = jnp.max(load / jnp.mean(load, axis=-1, keepdims=True), initial=0.0)
         return state, Metrics(loss, lr, grad_norm, busiest)
 
@@ -643,6 +578,16 @@ def init_state(cfg: Config, mesh) -> State:
 
 # ---------------------------------------------------------------------------------------------
 # The loop. Checkpoint N holds the state after N steps, so resuming from it runs step N next.
+
+
+def model_flops_per_token(arch: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (MFU's numerator; seqax/flops.py counts them from the weights' shapes)."""
+    return flops.model_flops_per_token(arch, seq_len, init_weights)
+
+
+def newton_schulz_flops(arch: ModelConfig, devices: int) -> tuple[float, float]:
+    """FLOPs of a step's Newton-Schulz iterations, in all and on the busiest device (seqax/flops.py)."""
+    return flops.newton_schulz_flops(arch, devices, init_weights, MUON, NEWTON_SCHULZ_STEPS)
 
 
 def is_due(interval: int, done: int, steps: int) -> bool:

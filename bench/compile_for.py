@@ -55,7 +55,7 @@ OPTIMIZER = ("newton_schulz", "muon_update", "adamw_update", "optimizer_step", "
 KINDS = ("matmuls", "attention", "elementwise, norms, converts", "experts: matmuls",
          "experts: dispatch (routing, gathers, combine)", "optimizer: Newton-Schulz", "optimizer: other",
          "communication (exposed)")
-# What an elementwise kernel is made of (the op its code named): inside routed_experts these are the
+# What an elementwise kernel is made of (the op its code named): inside experts_block these are the
 # experts' SwiGLU and roundings, as the dense SwiGLU's; the rest there moves rows (the dispatch).
 ELEMENTWISE = ("convert_element_type", "mul", "add", "sub", "logistic", "exp", "div", "neg", "max", "min")
 # The compilers, by platform: the modules that may hold each (any one will do) and its packages
@@ -79,7 +79,7 @@ def category(kernel: roofline.Kernel) -> str:
         return "optimizer: Newton-Schulz"
     if any(f.split(".")[0] in OPTIMIZER for f in functions):
         return "optimizer: other"
-    experts = any(f.split(".")[0] == "routed_experts" for f in functions)
+    experts = any(f.split(".")[0] == "experts_block" for f in functions)
     if experts and kernel.kind == "matmul":
         return "experts: matmuls"
     if experts and kernel.op_name.rsplit("/", 1)[-1] not in ELEMENTWISE:

@@ -10,7 +10,7 @@ matmuls, silu(gate) * up, the down matmul, the results written over those rows o
 computed for blocks that do not exist, and no array of all n blocks' hidden activations is made:
 the work and the memory traffic follow the rows, whatever bound n is sized for. Nor is a second
 array of N rows: the output is x's own buffer (and the input gradient the output gradient's), so
-that a caller whose N is a worst case (train.routed_experts) zero-fills none.
+that a caller whose N is a worst case (train.experts_block) zero-fills none.
 
 The math is train.py's dense SwiGLU (transformer_layer): gate and up rounded to the operands' dtype,
 silu(gate) * up in float32, rounded once, the down matmul's partial sums in float32, rounded once

@@ -101,14 +101,17 @@ def forward_logits(h: config.ModelConfig):
 
 
 def perturbed_weights(cfg: config.Config) -> train.Model:
-    """Initial weights with norm gains moved off 1, so that their gradients mean something."""
+    """Initial weights with every weight that starts constant (the norms' gains at 1, a bias at 0), whatever
+    it is called, moved off that value, so that its gradient means something."""
     w = train.init_weights(cfg.model, jax.random.key(0))
     key = jax.random.key(1)
-    bump = lambda x, name: x + 0.2 * jax.random.normal(  # noqa: E731
-        jax.random.fold_in(key, sum(map(ord, name))), x.shape)
-    layers = train.Layer(**{**vars(w.layers), "attn_norm": bump(w.layers.attn_norm, "a"),
-                            "ffn_norm": bump(w.layers.ffn_norm, "f")})
-    return train.Model(w.embed, layers, bump(w.final_norm, "n"), w.unembed)
+
+    def bump(path, x):
+        if x.size == 0 or bool(jax.numpy.any(x != x.reshape(-1)[0])):
+            return x
+        return x + 0.2 * jax.random.normal(jax.random.fold_in(key, sum(map(ord, jax.tree_util.keystr(path)))), x.shape)
+
+    return jax.tree_util.tree_map_with_path(bump, w)
 
 
 def abstract_state(cfg: config.Config, mesh) -> train.State:

@@ -1,6 +1,8 @@
 """memory.py: the estimate per device follows what the code marks with save_for_backward and the weights
 it gathers."""
 
+import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -10,6 +12,7 @@ import train
 from fixtures import abstract_state, make_mesh, tiny_config
 from seqax import memory
 from seqax.jax_extra import save_for_backward
+from seqax.shardlib.shardtypes import leaf_dims
 
 
 def test_memory_report_follows_save_for_backward(monkeypatch):
@@ -50,7 +53,11 @@ def test_the_gathered_weights_are_those_the_layer_gathers(experts, d, t):
     m = cfg.model
     M, Q, K, D, F, E, H = m.d_model, m.n_q_per_kv, m.n_kv // t, m.d_head, m.d_ff // t, m.experts, m.expert_d_ff
     gathered = 2 * M * Q * K * D + 2 * M * K * D + 3 * M * F + 3 * (E // d) * M * H  # q, o; k, v; SwiGLU; experts
-    as_stored = 2 * M + M * E + E  # the two norms, the router, the experts' bias
+    # Used as stored: every weight of the layer that no mesh axis splits (the norms, the router, the experts'
+    # bias, and any gain an edit adds), read off the annotations: their sizes from init_weights.
+    shapes = jax.eval_shape(lambda: train.init_weights(m, jax.random.key(0))).layers
+    as_stored = sum(math.prod(getattr(shapes, f.name).shape[1:]) for f, dims in
+                    zip(dataclasses.fields(train.Layer), leaf_dims(train.Layer)) if not any(x.axes for x in dims))
     assert layer.weight_bytes == 6 * gathered + 8 * as_stored
     outside = 6 * M * (m.vocab // t)  # the embedding and the unembedding: V split over t, M gathered over d
     assert dict(terms)["largest gathered weights of one layer: bf16, f32 gradient"] == max(layer.weight_bytes,

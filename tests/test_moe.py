@@ -1,4 +1,4 @@
-"""The mixture of experts (train.routed_experts) against tests/reference.py, which runs every expert
+"""The mixture of experts (train.experts_block) against tests/reference.py, which runs every expert
 on every position and weighs the outputs: dropless dispatch, the router, the gates, the balance loss
 and the bias's update, on meshes of 8 devices; and MoE training runs that agree across meshes and
 resume after kill -9."""
@@ -109,7 +109,7 @@ def problem():
 
 
 def test_the_dispatch_computes_every_chosen_expert_of_every_token():
-    """routed_experts alone on one device (float32), against NumPy's statement: each token's chosen
+    """experts_block alone on one device (float32), against NumPy's statement: each token's chosen
     experts (top k of sigmoid score + bias), each one's SwiGLU, weighed by its normalized score; with
     blocks of 4 rows, so that experts span several blocks and most blocks are padded. Fast: no model."""
     cfg = tiny_config("model.matmul_dtype=float32", "+model.experts=4", "+model.experts_per_token=2",
@@ -126,7 +126,7 @@ def test_the_dispatch_computes_every_chosen_expert_of_every_token():
                                                        "w_up", "w_down")}
     layer = train.Layer(**empty, **w)
     mesh = make_mesh(1, 1)
-    run = jax.shard_map(lambda x, w: train.routed_experts(h, x, x, w)[0], mesh=mesh,
+    run = jax.shard_map(lambda x, w: train.experts_block(h, x, x, w)[0], mesh=mesh,
                         in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
                         check_vma=False)  # one device: the rows sent over d come back to it
     got = np.asarray(jax.jit(run)(x, layer))

@@ -2,6 +2,7 @@
 whole runs of Muon and AdamW (on every mesh shape, so through Muon's all-to-all), the schedule and
 clipping by the properties that define them."""
 
+import dataclasses
 import functools
 
 import jax
@@ -91,7 +92,8 @@ def test_newton_schulz_equals_the_float64_iteration_to_bf16_rounding(shape, rank
         G = rng.standard_normal((shape[0], 4)) @ rng.standard_normal((4, shape[1])) + 0.05 * G
     G = G.astype(ml_dtypes.bfloat16).astype(np.float64)
     tall = shape[0] > shape[1]
-    ours = np.asarray(jax.jit(train.newton_schulz)(jnp.asarray(G.T if tall else G, jnp.bfloat16)))
+    ours = np.asarray(jax.jit(functools.partial(train.newton_schulz, dtype=jnp.bfloat16))(
+        jnp.asarray(G.T if tall else G, jnp.bfloat16)))
     ours = ours.T if tall else ours
     want = numpy_newton_schulz(G)
     assert relative(ours, want) <= 16 * U, relative(ours, want)
@@ -125,13 +127,24 @@ def test_a_wrong_iteration_misses_the_bound():
 # AdamW (Loshchilov & Hutter 2019, Algorithm 2, with Kingma & Ba 2015's bias correction, in
 # torch.optim.AdamW's convention) on the rest, after clipping the gradient to a global L2 norm.
 
-# The reference's own statement of each layer matrix: how many dimensions after `layers` are its
-# rows (its fan-in: the weights are stored [in, out], x @ w).
-MATRIX_ROWS = {"w_q": 1, "w_k": 1, "w_v": 1, "w_o": 3, "w_gate": 1, "w_up": 1, "w_down": 1}
+def muon_rows(weights: dict, d_model: int) -> dict:
+    """{name: rows} of the weights Muon updates (which ones is the code's choice: those train.MUON names),
+    rows stated here on its own: how many dimensions after `layers` are the matrix's rows (its fan-in:
+    the weights are stored [in, out], x @ w), d_model's one where d_model comes first, else all before it."""
+    return {k: 1 if x.shape[1] == d_model else x.ndim - 2 for k, x in weights.items()
+            if k.removeprefix("layers.") in train.MUON and x.size}
 
 
-def numpy_optimizers(h: config.TrainingConfig, weights: dict, gradients: list[dict], lr: np.ndarray) -> list[dict]:
-    """The weights after each step, in float64: Muon on MATRIX_ROWS's weights, AdamW on the others."""
+@functools.cache
+def run_config(h: config.TrainingConfig) -> config.Config:
+    """The tiny config with training section `h`."""
+    return dataclasses.replace(tiny_config(), training=h)
+
+
+def numpy_optimizers(h: config.TrainingConfig, weights: dict, gradients: list[dict], lr: np.ndarray,
+                     rows: dict) -> list[dict]:
+    """The weights after each step, in float64: Muon on the weights `rows` names (muon_rows), AdamW on the
+    others."""
     w = {k: np.asarray(v, np.float64) for k, v in weights.items()}
     m = {k: np.zeros_like(v) for k, v in w.items()}
     v = {k: np.zeros_like(x) for k, x in w.items()}
@@ -142,8 +155,7 @@ def numpy_optimizers(h: config.TrainingConfig, weights: dict, gradients: list[di
         if norm > h.grad_clip:
             g = {k: x * h.grad_clip / norm for k, x in g.items()}
         for k in w:
-            rows = MATRIX_ROWS.get(k.removeprefix("layers."))
-            if rows is None:  # AdamW
+            if k not in rows:  # AdamW
                 m[k] = h.adam_b1 * m[k] + (1 - h.adam_b1) * g[k]
                 v[k] = h.adam_b2 * v[k] + (1 - h.adam_b2) * g[k] ** 2
                 m_hat, v_hat = m[k] / (1 - h.adam_b1**t), v[k] / (1 - h.adam_b2**t)
@@ -152,7 +164,7 @@ def numpy_optimizers(h: config.TrainingConfig, weights: dict, gradients: list[di
                 continue
             m[k] = h.muon_momentum * m[k] + (1 - h.muon_momentum) * g[k]  # Muon: momentum, then Nesterov's look-ahead
             nesterov = (1 - h.muon_momentum) * g[k] + h.muon_momentum * m[k]
-            fan_in, fan_out = int(np.prod(w[k].shape[1 : 1 + rows])), int(np.prod(w[k].shape[1 + rows :]))
+            fan_in, fan_out = int(np.prod(w[k].shape[1 : 1 + rows[k]])), int(np.prod(w[k].shape[1 + rows[k] :]))
             update = np.stack([numpy_newton_schulz(x.reshape(fan_in, fan_out)).reshape(x.shape) for x in nesterov])
             scale = np.sqrt(max(1.0, fan_out / fan_in))
             w[k] = w[k] - lr[t - 1] * h.muon_learning_rate * (scale * update + h.muon_weight_decay * w[k])
@@ -173,7 +185,7 @@ def run_optimizer(h: config.TrainingConfig, mesh, weights: train.Model, gradient
         @typed_shard_map
         def step(state: train.State, step: u32[b""], grads: train.Model) -> train.State:
             no_load = jnp.zeros_like(state.weights.layers.expert_bias)  # dense: no experts
-            return train.optimizer_step(h, step, state, grads, global_norm(grads, train.Model), no_load)[0]
+            return train.optimizer_step(run_config(h), step, state, grads, global_norm(grads, train.Model), no_load)[0]
 
         shardings = make_shardings(train.Model, mesh)
         state = jax.jit(train.fresh_state, out_shardings=make_shardings(train.State, mesh))(weights)
@@ -203,8 +215,9 @@ def problem():
     norms = [np.sqrt(sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(g)))
              for g in gradients]
     assert min(norms) < h.grad_clip < max(norms), norms
-    want = numpy_optimizers(h, named(weights), [named(g) for g in gradients], fractions(h))
-    return h, weights, gradients, want
+    rows = muon_rows(named(weights), cfg.model.d_model)
+    want = numpy_optimizers(h, named(weights), [named(g) for g in gradients], fractions(h), rows)
+    return h, weights, gradients, want, rows
 
 
 @pytest.mark.parametrize("d,t,c", [(1, 1, 1), (4, 2, 1), pytest.param(2, 2, 2, marks=pytest.mark.slow),
@@ -215,12 +228,12 @@ def test_a_run_of_muon_and_adamw_matches_the_numpy_statement(problem, d, t, c):
     Muon's change of each weight to 16 U, as Newton-Schulz alone (above): its input is the
     momentum rounded to bf16 once more (U), which the iteration's error dwarfs; on 8 devices its
     layers travel through the all-to-all and back, which must not move a value."""
-    h, weights, gradients, want = problem
+    h, weights, gradients, want, rows = problem
     ours = run_optimizer(h, make_mesh(d, t, c), weights, gradients)
     start = named(weights)
     for step, (got, expected) in enumerate(zip(ours, want)):
         for name, x in got.items():
-            if name.removeprefix("layers.") in MATRIX_ROWS:
+            if name in rows:
                 change = relative(x - start[name], expected[name] - start[name])
                 assert change <= 16 * U, (name, step, change)
             else:
@@ -238,14 +251,13 @@ def test_the_numpy_statement_notices_a_wrong_muon():
     rng = np.random.default_rng(1)
     w = named(train.init_weights(cfg.model, jax.random.key(0)))
     grads = [{k: rng.standard_normal(x.shape) for k, x in w.items()} for _ in range(h.steps)]
-    right = numpy_optimizers(h, w, grads, fractions(h))[-1]
-    no_nesterov = numpy_optimizers(training(steps=3, warmup_steps=1, muon_momentum=0.0), w, grads, fractions(h))[-1]
+    rows = muon_rows(w, cfg.model.d_model)
+    assert rows["layers.w_o"] == 3  # [Q, K, D | M]
+    right = numpy_optimizers(h, w, grads, fractions(h), rows)[-1]
+    no_nesterov = numpy_optimizers(training(steps=3, warmup_steps=1, muon_momentum=0.0), w, grads, fractions(h),
+                                   rows)[-1]
     assert relative(no_nesterov["layers.w_q"] - w["layers.w_q"], right["layers.w_q"] - w["layers.w_q"]) > 16 * U
-    MATRIX_ROWS["w_o"] = 1
-    try:
-        wrong_rows = numpy_optimizers(h, w, grads, fractions(h))[-1]
-    finally:
-        MATRIX_ROWS["w_o"] = 3
+    wrong_rows = numpy_optimizers(h, w, grads, fractions(h), {**rows, "layers.w_o": 1})[-1]
     assert relative(wrong_rows["layers.w_o"] - w["layers.w_o"], right["layers.w_o"] - w["layers.w_o"]) > 16 * U
 
 
@@ -259,7 +271,7 @@ def first_step(h: config.TrainingConfig):
     @jax.jit
     @typed_shard_map
     def step(state: train.State, grads: train.Model, grad_norm: f32[b""]) -> train.State:
-        return train.optimizer_step(h, jnp.uint32(0), state, grads, grad_norm,
+        return train.optimizer_step(run_config(h), jnp.uint32(0), state, grads, grad_norm,
                                     jnp.zeros_like(state.weights.layers.expert_bias))[0]
 
     return step

@@ -11,7 +11,7 @@ final RMSNorm, untied unembedding. The weights map one to one, transposed to tor
 head (q, k) is HF head k * Q + q. Weights are written in float32, as trained; seqax runs its
 matmuls with bfloat16 operands, so logits agree to bfloat16 rounding, not exactly.
 
-With experts (model.experts > 0) the class is Glm4Moe, whose router is train.routed_experts':
+With experts (model.experts > 0) the class is Glm4Moe, whose router is train.experts_block':
 sigmoid scores, a bias per expert (e_score_correction_bias) added to choose the top k and not to
 weigh them, the chosen scores divided by their sum (norm_topk_prob, routed_scaling_factor 1), and
 groups of experts that one group (n_group 1) makes moot. Its attention is Llama's once RoPE covers
@@ -66,7 +66,7 @@ GLM4_MOE_WEIGHTS = LLAMA_WEIGHTS | {"layers.router", "layers.expert_bias", "laye
 
 
 def check_expressible(h):
-    """A ConfigError unless Glm4Moe computes what train.routed_experts does for model config `h` (experts > 0)."""
+    """A ConfigError unless Glm4Moe computes what train.experts_block does for model config `h` (experts > 0)."""
     if h.experts == 1:
         raise ConfigError("model.experts is 1: Glm4Moe, the Hugging Face class with our router, ranks its expert "
                           "group by its top 2 experts, so it needs 2 or more; this run cannot be exported")
@@ -143,7 +143,7 @@ def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None)
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "partial_rotary_factor": 1.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": h.rope_base, "partial_rotary_factor": 1.0},
         "use_qk_norm": False, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
-        "n_routed_experts": h.experts, "num_experts_per_tok": h.experts_per_token,
+        "n_experts_block": h.experts, "num_experts_per_tok": h.experts_per_token,
         "moe_intermediate_size": h.expert_d_ff, "n_shared_experts": h.d_ff // h.expert_d_ff,
         "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
     }

@@ -162,7 +162,22 @@ def psum_scatter(spec: str, x):
 
 def psum(spec: str, x, axes: str | tuple[str, ...]):
     """Sums float32 partials over `axes` (an all-reduce); `spec` is the layout, unchanged."""
-    op = "psum"
+    return lax.psum(_all_reduced("psum", spec, x, axes), axes)  # (also over one device: psum types the result
+    # as the same on every device)
+
+
+def pmean(spec: str, x, axes: str | tuple[str, ...]):
+    """The mean of float32 values over `axes` (an all-reduce); `spec` is the layout, unchanged."""
+    return lax.pmean(_all_reduced("pmean", spec, x, axes), axes)
+
+
+def pmax(spec: str, x, axes: str | tuple[str, ...]):
+    """The largest of float32 values over `axes` (an all-reduce); `spec` is the layout, unchanged."""
+    return lax.pmax(_all_reduced("pmax", spec, x, axes), axes)
+
+
+def _all_reduced(op: str, spec: str, x, axes):
+    """x, checked to be a float32 value laid out as `spec` that the devices of `axes` each hold whole."""
     try:
         dims = parse_dims(spec)
     except ShapeError as e:
@@ -170,11 +185,12 @@ def psum(spec: str, x, axes: str | tuple[str, ...]):
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     used = {a for d in dims for a in d.axes}
     if not axes or used & set(axes):
-        raise SpecError(f"{op}: cannot sum over {axes} a value laid out as {spec!r}: "
+        verb = {"psum": "sum", "pmean": "average", "pmax": "take the maximum"}[op]
+        raise SpecError(f"{op}: cannot {verb} over {axes} a value laid out as {spec!r}: "
                         "an axis that shards it holds different parts, not partials")
     _check_ndim(op, spec, dims, x)
     _require_f32(op, x)
-    return lax.psum(x, axes)  # also over one device: psum is what types the result as the same on every device
+    return x
 
 
 def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
