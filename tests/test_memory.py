@@ -50,15 +50,20 @@ def test_the_gathered_weights_are_those_the_layer_gathers(experts, d, t):
     with jax.set_mesh(mesh):
         layer = memory.memory_annotations(cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward)
         terms, _ = memory.memory_estimate(state, layer, train.MUON)
-    m = cfg.model
-    M, Q, K, D, F, E, H = m.d_model, m.n_q_per_kv, m.n_kv // t, m.d_head, m.d_ff // t, m.experts, m.expert_d_ff
-    gathered = 2 * M * Q * K * D + 2 * M * K * D + 3 * M * F + 3 * (E // d) * M * H  # q, o; k, v; SwiGLU; experts
-    # Used as stored: every weight of the layer that no mesh axis splits (the norms, the router, the experts'
-    # bias, and any gain an edit adds), read off the annotations: their sizes from init_weights.
-    shapes = jax.eval_shape(lambda: train.init_weights(m, jax.random.key(0))).layers
-    as_stored = sum(math.prod(getattr(shapes, f.name).shape[1:]) for f, dims in
-                    zip(dataclasses.fields(train.Layer), leaf_dims(train.Layer)) if not any(x.axes for x in dims))
+    # The layer's weights read off their annotations, sizes from init_weights. The layer gathers a dimension
+    # split over several axes (M/d/c, the experts' M/c/t: FSDP) whole and leaves one split over a single
+    # axis split (K/t, F/t: tensor parallelism; E/d: expert parallelism); one that no axis splits (the norms,
+    # the router, the experts' bias) it uses as stored.
+    shapes = jax.eval_shape(lambda: train.init_weights(cfg.model, jax.random.key(0))).layers
+    gathered = as_stored = 0
+    for field, dims in zip(dataclasses.fields(train.Layer), leaf_dims(train.Layer), strict=True):
+        sizes = getattr(shapes, field.name).shape[1:]
+        if not any(x.axes for x in dims):
+            as_stored += math.prod(sizes)
+        else:
+            gathered += math.prod(n // (mesh.shape[x.axes[0]] if len(x.axes) == 1 else 1) for n, x in zip(sizes, dims))
     assert layer.weight_bytes == 6 * gathered + 8 * as_stored
-    outside = 6 * M * (m.vocab // t)  # the embedding and the unembedding: V split over t, M gathered over d
+    M, V = cfg.model.d_model, cfg.model.vocab
+    outside = 6 * M * (V // t)  # the embedding and the unembedding: V split over t, M gathered over d
     assert dict(terms)["largest gathered weights of one layer: bf16, f32 gradient"] == max(layer.weight_bytes,
                                                                                             outside)
