@@ -4,6 +4,7 @@ and the bias's update, on meshes of 8 devices; and MoE training runs that agree 
 resume after kill -9."""
 
 import json
+import operator
 import os
 import subprocess
 import time
@@ -122,9 +123,9 @@ def test_the_dispatch_computes_every_chosen_expert_of_every_token():
          "expert_gate": rng.standard_normal((E, M, H)), "expert_up": rng.standard_normal((E, M, H)),
          "expert_down": rng.standard_normal((E, H, M))}
     w = {k: (v / np.sqrt(v.shape[-2]) if v.ndim > 1 else v).astype(np.float32) for k, v in w.items()}
-    empty = {k: np.zeros((0,), np.float32) for k in ("attn_norm", "w_q", "w_k", "w_v", "w_o", "ffn_norm", "w_gate",
-                                                       "w_up", "w_down")}
-    layer = train.Layer(**empty, **w)
+    # The experts' weights above, every other weight of the layer as init_weights makes it (the block reads none).
+    layer = jax.tree.map(operator.itemgetter(0), train.init_weights(h, jax.random.key(0)).layers)
+    layer = train.Layer(**{**vars(layer), **w})
     mesh = make_mesh(1, 1)
     run = jax.shard_map(lambda x, w: train.experts_block(h, x, x, w)[0], mesh=mesh,
                         in_specs=jax.sharding.PartitionSpec(), out_specs=jax.sharding.PartitionSpec(),
