@@ -55,6 +55,15 @@ def load_run_config(run_dir: str) -> RunConfig:
     return RunConfig(model, checkpoints, dataset_path, seq_len, int((cfg.get("mesh") or {}).get("c", 1)))
 
 
+def paths_read(run_dir: str, dataset: str | None = None) -> list[tuple[str, str]]:
+    """What a reader of the run reads, named for outputs.check_output_apart: the run directory, its
+    checkpoints (a link may put them elsewhere) and the dataset (`dataset`, default the run's)."""
+    dataset = dataset or load_run_config(run_dir).dataset_path
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    return [(f"the run directory {run_dir!r} (--run-dir)", run_dir), (f"its checkpoints {checkpoints!r}", checkpoints),
+            (f"the dataset {dataset!r}", dataset)]
+
+
 def default_mesh_shape(h: ModelConfig, weights, devices: int) -> tuple[int, int]:
     """(d, t): the most tensor parallelism that the weights (annotated as `weights`, train.Model) allow
     on this many devices; (devices, 1) when none does."""

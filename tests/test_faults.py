@@ -257,8 +257,8 @@ def test_prepare_dataset_refuses_an_output_that_is_or_holds_an_input(tmp_path, c
                               "--txt-documents", "paragraph"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}'; "
-        "writing it would delete the input; choose another --output"]
+        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}', "
+        "which writing it would delete; choose another --output"]
     assert snapshot(tmp_path) == before
 
 
