@@ -669,8 +669,9 @@ def train(cfg: Config, resolved_yaml: str):
         loader = opened.enter_context(contextlib.closing(make_loader(cfg.dataset, dataset, "train", *tokens, mesh)))
         opened.enter_context(run_lock.hold(run_dir))  # one writer per run directory, before anything there is touched
         opened.enter_context(jax.set_mesh(mesh))
-        checkpointer = opened.enter_context(contextlib.closing(
-            Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)))
+        # No state with a NaN or inf is saved; closed with the run's error, a diverged run says where to resume.
+        checkpointer = opened.enter_context(Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints,
+                                                         finite_only=True))
         # A checkpoint that does not fit the state stops the run here, before anything but the lock is written.
         shapes = jax.eval_shape(lambda: init_state(cfg, mesh))
         restored = checkpointer.restore(shapes, make_shardings(State, mesh))

@@ -30,12 +30,23 @@ import zarr
 from jax.experimental import multihost_utils
 
 from seqax import sharded_zarr
-from seqax.config import CheckpointConfig, CheckpointError, ConfigError
+from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError
 from seqax.console import warn
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^\d{10}$")
 MARKER_TIMEOUT_S = 1800.0  # how long process 0 waits for the other processes' writes
+
+
+# Rotation keeps at least the newest checkpoint and the one before it. The loss of a checkpoint's state
+# is known only once the step after it has run: if that loss is not finite, the one before is the
+# newest whose loss was, and the run resumes from it (Checkpointer.diverged).
+KEEP_AT_LEAST = 2
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.bool_(True)]))
 
 
 class CorruptCheckpoint(Exception):
@@ -114,13 +125,14 @@ class _HostLeaf:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, cfg: CheckpointConfig):
+    def __init__(self, directory: str, cfg: CheckpointConfig, finite_only: bool = False):
+        """`finite_only`: a tree holding a NaN or an inf is not saved (a training run's state: it diverged)."""
         if cfg.compression not in ("none", "zstd", "blosc"):
             raise ConfigError(f"checkpoints.compression={cfg.compression!r} is not one of none, zstd, blosc")
         if cfg.keep < 0 or cfg.threads < 1:
             raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) "
                               f"and checkpoints.threads={cfg.threads} >= 1")
-        self.directory, self.cfg = directory, cfg
+        self.directory, self.cfg, self.finite_only = directory, cfg, finite_only
         self.process = jax.process_index()
         token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
         if jax.process_count() > 1:  # every process names this run's markers alike
@@ -178,8 +190,12 @@ class Checkpointer:
 
     def save(self, step: int, tree):
         """Copies this process's shards to host memory, then writes them in the background.
-        Waits first for the previous save (raising its error, if any)."""
+        Waits first for the previous save (raising its error, if any). With `finite_only`, a tree
+        with a NaN or an inf is not saved: a DivergedError."""
         self.wait()
+        if self.finite_only and not bool(_all_finite(jax.tree.leaves(tree))):
+            raise DivergedError(f"the state after step {step - 1} holds NaN or inf: training diverged, and stops "
+                                "without saving it", step)
         self._in_flight = self._saver.submit(self._write, step, self._copy_to_host(tree))
 
     def _copy_to_host(self, tree) -> list[_HostLeaf]:
@@ -270,8 +286,8 @@ class Checkpointer:
                 zarr.open_group(path, mode="r+").attrs.update({"write_completed": True})  # the commit
                 for marker in [markers.format("ready"), *written]:
                     os.remove(marker)
-                if self.cfg.keep:
-                    self._delete(self.complete_steps()[: -self.cfg.keep])
+                if self.cfg.keep:  # and the one before the newest, whose loss is known finite (KEEP_AT_LEAST)
+                    self._delete(self.complete_steps()[: -max(self.cfg.keep, KEEP_AT_LEAST)])
             else:
                 self._wait(lambda: (self._attributes(step) or {}).get("write_completed") is True, step,
                            f"process 0 to commit checkpoint {path}")
@@ -318,6 +334,31 @@ class Checkpointer:
         finally:
             self._saver.shutdown()
             self._io.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, error, traceback):
+        """Closes (the save in flight commits); a run that diverged ends with the way forward."""
+        self.close()
+        if isinstance(error, DivergedError):
+            raise self.diverged(error) from None
+
+    def diverged(self, error: DivergedError) -> DivergedError:
+        """`error` with what to do next. Checkpoint error.step, if saved, holds the state whose loss or
+        gradient was not finite: it is renamed aside (`.diverged.<step>.*`), so that a restart resumes
+        from the newest checkpoint whose loss was finite, which rotation kept (KEEP_AT_LEAST)."""
+        aside = ""
+        if self.process == 0 and error.step in self.complete_steps():
+            moved = os.path.join(self.directory, f".diverged.{error.step:010d}.{uuid.uuid4().hex}")
+            os.rename(self.step_dir(error.step), moved)
+            aside = f"; checkpoint {error.step}, whose state gave it, is set aside as {moved}"
+        latest = self.latest_step()
+        remedy = "lower training.learning_rate (or muon_learning_rate, or raise warmup_steps)"
+        then = (f"checkpoint {latest} is the newest whose loss was finite: {remedy} and run the same command to "
+                f"resume from it" if latest is not None else f"no checkpoint was saved before it: {remedy} and run "
+                "the same command to start again from step 0")
+        return DivergedError(f"{error}{aside}; {then}", error.step)
 
     # ---- restoring ----
 

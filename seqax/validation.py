@@ -2,6 +2,7 @@
 anything is compiled: every mismatch stops the program with one line naming the key and the fix.
 """
 
+import dataclasses
 import math
 
 from seqax.config import ATTENTION_KERNELS, MODEL_DIMENSIONS, Config, ConfigError, ModelConfig
@@ -96,9 +97,24 @@ def check_experts(m: ModelConfig):
 LEVELS = {"zstd": (1, 22), "blosc": (0, 9)}
 
 
+def check_finite(section, where: str = ""):
+    """Every float of a config section and its subsections is a finite number: NaN passes (fails) every
+    comparison a range check makes, and a run with a NaN or an infinite rate diverges at its first step."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, f"{where}{field.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}{field.name}={value} must be a finite number")
+
+
 def check_values(cfg: Config):
     """The numbers that only the devices' math would otherwise reject, late or silently."""
     m, tr = cfg.model, cfg.training
+    check_finite(cfg)
+    for key, value in (("rope_base", m.rope_base), ("norm_eps", m.norm_eps)):
+        if not value > 0:
+            raise ConfigError(f"model.{key}={value} must be positive (typical: 10000 and 1e-5)")
     for key, value in (("layers", m.layers), ("d_head", m.d_head), ("n_q_per_kv", m.n_q_per_kv)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive; set it to 1 or more")

@@ -208,6 +208,14 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("+model.experts=6 +model.experts_per_token=2 +model.expert_d_ff=64",
      r"model.experts=6 is not divisible by mesh.d=4: the experts are split over d"),
     ("+training.expert_bias_rate=-0.1", r"training.expert_bias_rate=-0.1 must not be negative"),
+    # NaN passed every range check, and an infinite clip or rate is no limit: each diverged at its first step.
+    ("training.learning_rate=nan", r"training.learning_rate=nan must be a finite number"),
+    ("training.weight_decay=nan", r"training.weight_decay=nan must be a finite number"),
+    ("training.adam_eps=inf", r"training.adam_eps=inf must be a finite number"),
+    ("training.grad_clip=inf", r"training.grad_clip=inf must be a finite number"),
+    ("+training.expert_bias_rate=nan", r"training.expert_bias_rate=nan must be a finite number"),
+    ("model.rope_base=-inf", r"model.rope_base=-inf must be a finite number"),
+    ("model.norm_eps=0", r"model.norm_eps=0.0 must be positive"),
 ])
 def test_bad_values_are_one_line_with_the_remedy(override, message):
     overrides = override.split(" ")
