@@ -13,6 +13,7 @@ device holds on the new mesh, so any mesh and any number of processes can read a
 """
 
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -99,6 +100,15 @@ def _barrier(name: str):
         multihost_utils.sync_global_devices(name)
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of an existing path, else None."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 def _touch(path: str):
     with open(path, "w"):
         pass
@@ -133,6 +143,7 @@ class Checkpointer:
             raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) "
                               f"and checkpoints.threads={cfg.threads} >= 1")
         self.directory, self.cfg, self.finite_only = directory, cfg, finite_only
+        self._parent = _identity(os.path.dirname(directory))  # the run directory, if it exists yet
         self.process = jax.process_index()
         token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
         if jax.process_count() > 1:  # every process names this run's markers alike
@@ -234,6 +245,10 @@ class Checkpointer:
         saves the most CPU time of a small checkpoint."""
         if os.path.exists(path):
             raise FileExistsError(f"checkpoint {path} already exists; restore() removes uncommitted ones before saving")
+        parent = _identity(os.path.dirname(self.directory))
+        if self._parent is not None and parent != self._parent:  # a run directory deleted stays deleted
+            raise FileNotFoundError(errno.ENOENT, "deleted or replaced since the run started, not recreated",
+                                    os.path.dirname(self.directory))
         os.makedirs(self.directory, exist_ok=True)
         attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves],
                       "write_completed": False, "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves},
@@ -339,8 +354,13 @@ class Checkpointer:
         return self
 
     def __exit__(self, error_type, error, traceback):
-        """Closes (the save in flight commits); a run that diverged ends with the way forward."""
-        self.close()
+        """Closes (the save in flight commits); a run that diverged ends with the way forward. When the run
+        is already stopping for an error, that error is the one the user needs, not the save's."""
+        try:
+            self.close()
+        except Exception:
+            if error is None:
+                raise
         if isinstance(error, DivergedError):
             raise self.diverged(error) from None
 

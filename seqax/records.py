@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 
-from seqax import hardware, wandb_log
+from seqax import hardware, run_lock, wandb_log
 from seqax.config import DivergedError, OutputError
 from seqax.profiler import ProfileWindow, steps_to_profile
 from seqax.wandb_log import WandbLog
@@ -147,6 +147,7 @@ class RunRecords:
             return
         with self.writing(run_dir):
             os.makedirs(run_dir, exist_ok=True)
+        self.lock = run_lock.lock_identity(run_dir)  # the lock the run holds (train.py took it before): watched
         with self.writing(os.path.join(run_dir, "config.yaml")) as path, open(path, "w") as f:
             f.write(resolved_yaml)
         with self.writing(os.path.join(run_dir, "metrics.jsonl")) as path:
@@ -227,6 +228,8 @@ class RunRecords:
         if not self.writes or self.failed:
             stop_if_diverged(step, values)
             return
+        if self.lock is not None:
+            run_lock.check_in_place(self.run_dir, self.lock)
         self.recent_step_times.append(step_time)
         tokens_per_second = self.tokens_per_step / step_time
         model_flops = self.model_flops_per_token * tokens_per_second
