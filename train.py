@@ -691,9 +691,11 @@ def train(cfg: Config, resolved_yaml: str):
         # An evaluation due at a committed checkpoint's step that a kill or a stop left undone runs now, once.
         due = [done for done in checkpointer.complete_steps() if is_due(cfg.eval_interval, done, cfg.training.steps)]
         for done in records.missing_evaluations(due) if evaluation else []:
-            weights = state.weights if done == start else checkpointer.read(
-                done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)})["weights"]
-            records.eval(done, evaluation, partial(eval_step, weights, cfg=cfg))
+            read = {"weights": state.weights} if done == start else checkpointer.read_or_warn(
+                done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)},
+                f"its evaluation is skipped (lost) and training goes on from checkpoint {start}")
+            if read is not None:
+                records.eval(done, evaluation, partial(eval_step, read["weights"], cfg=cfg))
         # From here SIGTERM or Ctrl-C asks for a checkpoint after the next step; before, there was no
         # new step to save and it stopped the run at once (signals.exit_on_signal).
         preemption = opened.enter_context(PreemptionWatch())

@@ -464,6 +464,22 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {e}") from e
         return jax.tree.unflatten(treedef, leaves)
 
+    def read_or_warn(self, step: int, shapes, shardings, skipped: str):
+        """read(), except that a damaged checkpoint (on any process) is one warning ending in `skipped`,
+        what the caller does without it, and None: a resume whose catch-up evaluation needs an older
+        checkpoint goes on without that evaluation, from the newest one, which restore() read whole."""
+        names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
+        try:
+            leaves, problem = self._read(step, names, jax.tree.leaves(shapes), placements_of(shapes, shardings),
+                                         subset=True), None
+        except CorruptCheckpoint as e:
+            leaves, problem = None, str(e)
+        if _processes_agree(problem is None):
+            return jax.tree.unflatten(treedef, leaves)
+        if self.process == 0:
+            warn(f"checkpoint {self.step_dir(step)} is damaged ({problem or 'on another process'}); {skipped}")
+        return None
+
     def _read(self, step: int, names: list[str], targets: list, shardings: list,
               subset: bool = False) -> list[jax.Array]:
         path = self.step_dir(step)
