@@ -55,6 +55,10 @@ class CorruptCheckpoint(Exception):
     contradicts itself."""
 
 
+class CheckpointRemoved(CheckpointError):
+    """A checkpoint deleted while it was read: rotation in the live run that writes the directory."""
+
+
 class StateMismatch(CheckpointError):
     """A checkpoint whose arrays are not the state's: written for another model config, unless
     other checkpoints of the run fit the state (then this one is damaged). `what` is the mismatch alone."""
@@ -120,7 +124,7 @@ def _naming(path: str, job):
     try:
         return job()
     except OSError as e:
-        if e.filename:
+        if e.filename or e.errno is None:  # (one of ours, such as FileExistsError's message, says what it is)
             raise
         raise OSError(e.errno, e.strerror, path) from e
 
@@ -461,6 +465,10 @@ class Checkpointer:
         try:
             leaves = self._read(step, names, jax.tree.leaves(shapes), placements_of(shapes, shardings), subset=True)
         except CorruptCheckpoint as e:
+            if step not in self.complete_steps():  # a live run's rotation removed it while it was read: not damage
+                raise CheckpointRemoved(f"checkpoint {self.step_dir(step)} was removed while it was read (the run's "
+                                        "rotation, checkpoints.keep); read a newer one: the committed steps are now "
+                                        f"{self.complete_steps()}") from e
             raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {e}") from e
         return jax.tree.unflatten(treedef, leaves)
 
@@ -484,6 +492,8 @@ class Checkpointer:
               subset: bool = False) -> list[jax.Array]:
         path = self.step_dir(step)
         attributes = self._attributes(step)
+        if attributes is None:
+            raise CorruptCheckpoint("its group metadata zarr.json is unreadable")
         if attributes.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {path} has format_version {attributes.get('format_version')!r}; "
                                   f"this program reads format_version {FORMAT_VERSION} only")
