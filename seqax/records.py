@@ -188,7 +188,7 @@ class RunRecords:
         """Those of `steps` (the same list on every process) whose evaluation line metrics.jsonl lacks:
         process 0 reads the file, and every process gets its answer."""
         if self.writes:
-            with open(self.metrics_file.name) as f:
+            with open(self.metrics_file.name, errors="replace") as f:  # a line of bytes not UTF-8 is no JSON
                 evaluated = {line.get("step") for line in map(parsed, f) if "eval_time" in line}
             missing = np.array([step not in evaluated for step in steps])
         else:

@@ -41,7 +41,10 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
     """Every mismatch between config, devices, data and the weights' annotation `weights`
     (train.Model), found before any compilation."""
     m, d, t, c = cfg.model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
-    if d < 1 or t < 1 or c < 1 or d * t * c != n_devices:
+    if min(d, t, c) < 1:
+        raise ConfigError(f"mesh.d={d}, mesh.t={t} and mesh.c={c} must be positive; choose them with a product of "
+                          f"{n_devices}, the devices")
+    if d * t * c != n_devices:
         shown, keys = ((f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1
                        else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c"))
         raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; "
@@ -112,6 +115,9 @@ def check_values(cfg: Config):
     """The numbers that only the devices' math would otherwise reject, late or silently."""
     m, tr = cfg.model, cfg.training
     check_finite(cfg)
+    for key, value in (("training.seed", tr.seed), ("dataset.seed", cfg.dataset.seed)):
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"{key}={value} does not fit in 64 bits; choose a seed in [0, 2**63)")
     for key, value in (("rope_base", m.rope_base), ("norm_eps", m.norm_eps)):
         if not value > 0:
             raise ConfigError(f"model.{key}={value} must be positive (typical: 10000 and 1e-5)")

@@ -331,3 +331,17 @@ def test_a_catch_up_evaluation_whose_checkpoint_is_damaged_is_skipped_with_one_w
     lines = [json.loads(line) for line in open(metrics)]
     assert [line["step"] for line in eval_lines(run_dir)] == [6, 8]
     assert [line["step"] for line in lines if "loss" in line][-2:] == [6, 7]
+
+
+@pytest.mark.slow  # two training runs
+def test_a_resume_reads_past_bytes_in_metrics_jsonl_that_are_not_utf8(validation_dataset, tmp_path):
+    """A line of bytes that are not UTF-8 in metrics.jsonl (a disk error, an editor): every resume stopped with an
+    80-line UnicodeDecodeError until it was fixed by hand; now the line is no JSON, and the run goes on."""
+    train_on(validation_dataset, tmp_path, 4, 2)
+    metrics = tmp_path / "eval" / "metrics.jsonl"
+    with open(metrics, "ab") as f:
+        f.write(b"\xff\xfe garbage\n")
+    result = run_train(train_args(tmp_path, validation_dataset, "eval", *eval_overrides(4, 2), "training.steps=8"),
+                       graph=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in open(metrics, errors="replace") if "eval_loss" in line] == [4, 6, 8]

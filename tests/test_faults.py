@@ -216,6 +216,10 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("+training.expert_bias_rate=nan", r"training.expert_bias_rate=nan must be a finite number"),
     ("model.rope_base=-inf", r"model.rope_base=-inf must be a finite number"),
     ("model.norm_eps=0", r"model.norm_eps=0.0 must be positive"),
+    # An OverflowError traceback once the run had taken its lock (was).
+    ("training.seed=18446744073709551616", r"training.seed=18446744073709551616 does not fit in 64 bits"),
+    ("dataset.seed=9223372036854775808", r"dataset.seed=9223372036854775808 does not fit in 64 bits"),
+    ("mesh.d=-4 mesh.t=-2", r"mesh.d=-4, mesh.t=-2 and mesh.c=1 must be positive"),  # was: -4 x -2 = 8 must equal 8
 ])
 def test_bad_values_are_one_line_with_the_remedy(override, message):
     overrides = override.split(" ")

@@ -225,3 +225,11 @@ def test_a_checkpoint_rotated_away_while_read_is_not_called_damaged(run_dir, tmp
                                               r"are now \[5, 6\]"):
         export_hf.export(str(live), str(tmp_path / "hf4"), step=4)
     writer.close()
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_sample_refuses_a_temperature_that_is_not_a_finite_non_negative_number(run_dir, capsys, temperature):
+    """`--temperature nan` printed token 0s, exit 0."""
+    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", "hi", "--temperature",
+                                                       temperature]))
+    assert "--temperature a finite number and not negative" in line
