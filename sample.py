@@ -242,9 +242,9 @@ def main(argv=None):
     parser.add_argument("--mesh-t", type=int, help="devices over heads, d_ff and vocabulary")
     args = parser.parse_args(argv)
     try:
-        if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or args.top_k < 0:
+        if args.max_new_tokens < 1 or args.num_samples < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0:
             raise ConfigError("--max-new-tokens and --num-samples must be positive, "
-                              "--temperature and --top-k not negative")
+                              "--temperature a finite number and not negative, --top-k not negative")
         run = load_run_config(args.run_dir)
         prompt, tokenizer, max_token_id = prompt_and_tokenizer(args, run)
         mesh = run_mesh(run.model, train.Model, args.mesh_d, args.mesh_t)

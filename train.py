@@ -608,8 +608,9 @@ def train(cfg: Config, resolved_yaml: str):
         loader = opened.enter_context(contextlib.closing(make_loader(cfg.dataset, dataset, "train", *tokens, mesh)))
         opened.enter_context(run_lock.hold(run_dir))  # one writer per run directory, before anything there is touched
         opened.enter_context(jax.set_mesh(mesh))
-        checkpointer = opened.enter_context(contextlib.closing(
-            Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints)))
+        # No state with a NaN or inf is saved; closed with the run's error, a diverged run says where to resume.
+        checkpointer = opened.enter_context(Checkpointer(os.path.join(run_dir, "checkpoints"), cfg.checkpoints,
+                                                         finite_only=True))
         # A checkpoint that does not fit the state stops the run here, before anything but the lock is written.
         shapes = jax.eval_shape(lambda: init_state(cfg, mesh))
         restored = checkpointer.restore(shapes, make_shardings(State, mesh))
@@ -629,9 +630,11 @@ def train(cfg: Config, resolved_yaml: str):
         # An evaluation due at a committed checkpoint's step that a kill or a stop left undone runs now, once.
         due = [done for done in checkpointer.complete_steps() if is_due(cfg.eval_interval, done, cfg.training.steps)]
         for done in records.missing_evaluations(due) if evaluation else []:
-            weights = state.weights if done == start else checkpointer.read(
-                done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)})["weights"]
-            records.eval(done, evaluation, partial(eval_step, weights, cfg=cfg))
+            read = {"weights": state.weights} if done == start else checkpointer.read_or_warn(
+                done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)},
+                f"its evaluation is skipped (lost) and training goes on from checkpoint {start}")
+            if read is not None:
+                records.eval(done, evaluation, partial(eval_step, read["weights"], cfg=cfg))
         # From here SIGTERM or Ctrl-C asks for a checkpoint after the next step; before, there was no
         # new step to save and it stopped the run at once (signals.exit_on_signal).
         preemption = opened.enter_context(PreemptionWatch())

@@ -13,6 +13,7 @@ device holds on the new mesh, so any mesh and any number of processes can read a
 """
 
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -30,7 +31,7 @@ import zarr
 from jax.experimental import multihost_utils
 
 from seqax import sharded_zarr
-from seqax.config import CheckpointConfig, CheckpointError, ConfigError
+from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError
 from seqax.console import warn
 
 FORMAT_VERSION = 1
@@ -38,9 +39,24 @@ STEP_DIR = re.compile(r"^\d{10}$")
 MARKER_TIMEOUT_S = 1800.0  # how long process 0 waits for the other processes' writes
 
 
+# Rotation keeps at least the newest checkpoint and the one before it. The loss of a checkpoint's state
+# is known only once the step after it has run: if that loss is not finite, the one before is the
+# newest whose loss was, and the run resumes from it (Checkpointer.diverged).
+KEEP_AT_LEAST = 2
+
+
+@jax.jit
+def _all_finite(leaves: list) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves] or [jnp.bool_(True)]))
+
+
 class CorruptCheckpoint(Exception):
     """A committed checkpoint whose data fails its checksums or lacks chunks, or whose metadata
     contradicts itself."""
+
+
+class CheckpointRemoved(CheckpointError):
+    """A checkpoint deleted while it was read: rotation in the live run that writes the directory."""
 
 
 class StateMismatch(CheckpointError):
@@ -88,6 +104,15 @@ def _barrier(name: str):
         multihost_utils.sync_global_devices(name)
 
 
+def _identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of an existing path, else None."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
 def _touch(path: str):
     with open(path, "w"):
         pass
@@ -99,7 +124,7 @@ def _naming(path: str, job):
     try:
         return job()
     except OSError as e:
-        if e.filename:
+        if e.filename or e.errno is None:  # (one of ours, such as FileExistsError's message, says what it is)
             raise
         raise OSError(e.errno, e.strerror, path) from e
 
@@ -114,13 +139,15 @@ class _HostLeaf:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, cfg: CheckpointConfig):
+    def __init__(self, directory: str, cfg: CheckpointConfig, finite_only: bool = False):
+        """`finite_only`: a tree holding a NaN or an inf is not saved (a training run's state: it diverged)."""
         if cfg.compression not in ("none", "zstd", "blosc"):
             raise ConfigError(f"checkpoints.compression={cfg.compression!r} is not one of none, zstd, blosc")
         if cfg.keep < 0 or cfg.threads < 1:
             raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) "
                               f"and checkpoints.threads={cfg.threads} >= 1")
-        self.directory, self.cfg = directory, cfg
+        self.directory, self.cfg, self.finite_only = directory, cfg, finite_only
+        self._parent = _identity(os.path.dirname(directory))  # the run directory, if it exists yet
         self.process = jax.process_index()
         token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
         if jax.process_count() > 1:  # every process names this run's markers alike
@@ -178,8 +205,12 @@ class Checkpointer:
 
     def save(self, step: int, tree):
         """Copies this process's shards to host memory, then writes them in the background.
-        Waits first for the previous save (raising its error, if any)."""
+        Waits first for the previous save (raising its error, if any). With `finite_only`, a tree
+        with a NaN or an inf is not saved: a DivergedError."""
         self.wait()
+        if self.finite_only and not bool(_all_finite(jax.tree.leaves(tree))):
+            raise DivergedError(f"the state after step {step - 1} holds NaN or inf: training diverged, and stops "
+                                "without saving it", step)
         self._in_flight = self._saver.submit(self._write, step, self._copy_to_host(tree))
 
     def _copy_to_host(self, tree) -> list[_HostLeaf]:
@@ -218,6 +249,10 @@ class Checkpointer:
         saves the most CPU time of a small checkpoint."""
         if os.path.exists(path):
             raise FileExistsError(f"checkpoint {path} already exists; restore() removes uncommitted ones before saving")
+        parent = _identity(os.path.dirname(self.directory))
+        if self._parent is not None and parent != self._parent:  # a run directory deleted stays deleted
+            raise FileNotFoundError(errno.ENOENT, "deleted or replaced since the run started, not recreated",
+                                    os.path.dirname(self.directory))
         os.makedirs(self.directory, exist_ok=True)
         attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves],
                       "write_completed": False, "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves},
@@ -270,8 +305,8 @@ class Checkpointer:
                 zarr.open_group(path, mode="r+").attrs.update({"write_completed": True})  # the commit
                 for marker in [markers.format("ready"), *written]:
                     os.remove(marker)
-                if self.cfg.keep:
-                    self._delete(self.complete_steps()[: -self.cfg.keep])
+                if self.cfg.keep:  # and the one before the newest, whose loss is known finite (KEEP_AT_LEAST)
+                    self._delete(self.complete_steps()[: -max(self.cfg.keep, KEEP_AT_LEAST)])
             else:
                 self._wait(lambda: (self._attributes(step) or {}).get("write_completed") is True, step,
                            f"process 0 to commit checkpoint {path}")
@@ -318,6 +353,36 @@ class Checkpointer:
         finally:
             self._saver.shutdown()
             self._io.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, error, traceback):
+        """Closes (the save in flight commits); a run that diverged ends with the way forward. When the run
+        is already stopping for an error, that error is the one the user needs, not the save's."""
+        try:
+            self.close()
+        except Exception:
+            if error is None:
+                raise
+        if isinstance(error, DivergedError):
+            raise self.diverged(error) from None
+
+    def diverged(self, error: DivergedError) -> DivergedError:
+        """`error` with what to do next. Checkpoint error.step, if saved, holds the state whose loss or
+        gradient was not finite: it is renamed aside (`.diverged.<step>.*`), so that a restart resumes
+        from the newest checkpoint whose loss was finite, which rotation kept (KEEP_AT_LEAST)."""
+        aside = ""
+        if self.process == 0 and error.step in self.complete_steps():
+            moved = os.path.join(self.directory, f".diverged.{error.step:010d}.{uuid.uuid4().hex}")
+            os.rename(self.step_dir(error.step), moved)
+            aside = f"; checkpoint {error.step}, whose state gave it, is set aside as {moved}"
+        latest = self.latest_step()
+        remedy = "lower training.learning_rate (or muon_learning_rate, or raise warmup_steps)"
+        then = (f"checkpoint {latest} is the newest whose loss was finite: {remedy} and run the same command to "
+                f"resume from it" if latest is not None else f"no checkpoint was saved before it: {remedy} and run "
+                "the same command to start again from step 0")
+        return DivergedError(f"{error}{aside}; {then}", error.step)
 
     # ---- restoring ----
 
@@ -400,13 +465,35 @@ class Checkpointer:
         try:
             leaves = self._read(step, names, jax.tree.leaves(shapes), placements_of(shapes, shardings), subset=True)
         except CorruptCheckpoint as e:
+            if step not in self.complete_steps():  # a live run's rotation removed it while it was read: not damage
+                raise CheckpointRemoved(f"checkpoint {self.step_dir(step)} was removed while it was read (the run's "
+                                        "rotation, checkpoints.keep); read a newer one: the committed steps are now "
+                                        f"{self.complete_steps()}") from e
             raise CheckpointError(f"checkpoint {self.step_dir(step)} is damaged: {e}") from e
         return jax.tree.unflatten(treedef, leaves)
+
+    def read_or_warn(self, step: int, shapes, shardings, skipped: str):
+        """read(), except that a damaged checkpoint (on any process) is one warning ending in `skipped`,
+        what the caller does without it, and None: a resume whose catch-up evaluation needs an older
+        checkpoint goes on without that evaluation, from the newest one, which restore() read whole."""
+        names, treedef = leaf_names(shapes), jax.tree.structure(shapes)
+        try:
+            leaves, problem = self._read(step, names, jax.tree.leaves(shapes), placements_of(shapes, shardings),
+                                         subset=True), None
+        except CorruptCheckpoint as e:
+            leaves, problem = None, str(e)
+        if _processes_agree(problem is None):
+            return jax.tree.unflatten(treedef, leaves)
+        if self.process == 0:
+            warn(f"checkpoint {self.step_dir(step)} is damaged ({problem or 'on another process'}); {skipped}")
+        return None
 
     def _read(self, step: int, names: list[str], targets: list, shardings: list,
               subset: bool = False) -> list[jax.Array]:
         path = self.step_dir(step)
         attributes = self._attributes(step)
+        if attributes is None:
+            raise CorruptCheckpoint("its group metadata zarr.json is unreadable")
         if attributes.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"checkpoint {path} has format_version {attributes.get('format_version')!r}; "
                                   f"this program reads format_version {FORMAT_VERSION} only")

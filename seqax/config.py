@@ -53,6 +53,14 @@ class OutputError(SeqaxError):
     """A file that a run must write could not be written (a full disk, a read-only one, no permission)."""
 
 
+class DivergedError(SeqaxError):
+    """Training reached a loss, gradient norm or state that is not finite (NaN or inf) at `step`."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
 # ---------------------------------------------------------------------------------------------
 # The sections of a training config.
 
@@ -153,7 +161,7 @@ class DatasetConfig:
 class CheckpointConfig:
     """The `checkpoints:` section (the interval is `checkpoint_interval`), read by checkpoint.py."""
 
-    keep: int  # newest complete checkpoints kept; older ones are deleted (0 keeps all)
+    keep: int  # newest complete checkpoints kept, at least 2 (checkpoint.KEEP_AT_LEAST); older ones deleted (0: all)
     compression: str  # none, zstd or blosc
     level: int  # compression level: zstd 1..22, blosc 0..9 (ignored for none)
     threads: int  # chunks read or written in parallel by each process

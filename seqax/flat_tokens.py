@@ -220,10 +220,14 @@ class _Appender:
 
 @contextlib.contextmanager
 def disk_errors(path: str):
-    """A full disk (or quota) while writing is a one-line DatasetError naming the path."""
+    """A full disk (or quota), a read-only one or no permission while writing is a one-line DatasetError
+    naming the path."""
     try:
         yield
     except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise DatasetError(f"cannot write dataset {path!r}: {e.strerror}; write it where you may (another "
+                               "--output)") from None
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         raise DatasetError(f"writing dataset {path!r} failed: {e.strerror or 'no space left'}; "

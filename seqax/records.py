@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import glob
 import json
+import math
 import os
 import sys
 import time
@@ -24,8 +25,8 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 
-from seqax import hardware, wandb_log
-from seqax.config import OutputError
+from seqax import hardware, run_lock, wandb_log
+from seqax.config import DivergedError, OutputError
 from seqax.profiler import ProfileWindow, steps_to_profile
 from seqax.wandb_log import WandbLog
 
@@ -97,6 +98,14 @@ def open_lines_for_append(path: str):
     return open(path, "a")
 
 
+def stop_if_diverged(step: int, values: dict):
+    """A DivergedError when step `step`'s loss or gradient norm is not finite: the state it leads to
+    must not be saved, and every later step would be NaN too (docs/reliability.md, "Divergence")."""
+    if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+        raise DivergedError(f"step {step}'s loss is {values['loss']} and its grad_norm {values['grad_norm']}: "
+                            "training diverged, and stops before saving a state past it", step)
+
+
 def parsed(line: str) -> dict:
     """A metrics.jsonl line as a dict; {} for one that is not a JSON object (edited by hand, say)."""
     try:
@@ -138,6 +147,7 @@ class RunRecords:
             return
         with self.writing(run_dir):
             os.makedirs(run_dir, exist_ok=True)
+        self.lock = run_lock.lock_identity(run_dir)  # the lock the run holds (train.py took it before): watched
         with self.writing(os.path.join(run_dir, "config.yaml")) as path, open(path, "w") as f:
             f.write(resolved_yaml)
         with self.writing(os.path.join(run_dir, "metrics.jsonl")) as path:
@@ -178,7 +188,7 @@ class RunRecords:
         """Those of `steps` (the same list on every process) whose evaluation line metrics.jsonl lacks:
         process 0 reads the file, and every process gets its answer."""
         if self.writes:
-            with open(self.metrics_file.name) as f:
+            with open(self.metrics_file.name, errors="replace") as f:  # a line of bytes not UTF-8 is no JSON
                 evaluated = {line.get("step") for line in map(parsed, f) if "eval_time" in line}
             missing = np.array([step not in evaluated for step in steps])
         else:
@@ -205,9 +215,9 @@ class RunRecords:
 
     def flush(self):
         """Writes the line of the step held back, if any."""
-        if self.held_back is not None:
-            self.write_step(*self.held_back)
-            self.held_back = None
+        held, self.held_back = self.held_back, None  # written once, even when its line stops the run
+        if held is not None:
+            self.write_step(*held)
 
     def write_step(self, step: int, metrics):
         """Reads the step's scalars (waiting for that step only) and writes its line."""
@@ -216,7 +226,10 @@ class RunRecords:
         step_time = max(end - max(self.last_end, self.dispatched.pop(step, end)), 1e-9)
         self.last_end = end
         if not self.writes or self.failed:
+            stop_if_diverged(step, values)
             return
+        if self.lock is not None:
+            run_lock.check_in_place(self.run_dir, self.lock)
         self.recent_step_times.append(step_time)
         tokens_per_second = self.tokens_per_step / step_time
         model_flops = self.model_flops_per_token * tokens_per_second
@@ -233,6 +246,7 @@ class RunRecords:
         print(f"step {step:6d}/{self.cfg.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
               f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
+        stop_if_diverged(step, values)
 
     def raise_peak(self, step: int, model_flops: float):
         """A step ran the model's FLOPs faster than the measured peak (the CPU was busier at the

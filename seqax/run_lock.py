@@ -5,6 +5,9 @@ or dies, however it dies (SIGKILL included), so a lock is never stale and nothin
 cleaning up. The file holds the holder's pid and host, for the line a second run prints; it
 stays after the run, and an unlocked file means nothing. In a multi-process run process 0 takes
 the lock and the others wait until it holds. Readers (sample.py, the export) take no lock.
+
+A lock on a file that is no longer `<run>/.lock` (the directory deleted, moved or replaced under the
+live run) guards nothing: RunRecords checks at every step that it still is (`check_in_place`).
 """
 
 import contextlib
@@ -70,3 +73,23 @@ def hold(run_dir: str):
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def lock_identity(run_dir: str) -> tuple[int, int] | None:
+    """(device, inode) of `run_dir`'s lock file, None when it has none."""
+    try:
+        stat = os.stat(os.path.join(run_dir, LOCK_FILE))
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def check_in_place(run_dir: str, identity: tuple[int, int]):
+    """An OutputError when `run_dir`'s lock file is no longer the one whose `identity` the run took at its
+    start: its directory was deleted, moved or replaced (or the lock file deleted), and the run would go on
+    writing files nobody sees while a second run could start beside it."""
+    if lock_identity(run_dir) != identity:
+        raise OutputError(f"the run directory {run_dir!r} was deleted, moved or replaced while this run was writing "
+                          f"it (its {LOCK_FILE} is gone or another); the run stops here and recreates nothing: put "
+                          "the directory back (or choose another paths.model_name) and run the same command to resume "
+                          "from its newest checkpoint")

@@ -12,12 +12,14 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from seqax.checkpoint import Checkpointer
+from seqax.checkpoint import Checkpointer, CheckpointRemoved
 from seqax.config import CheckpointConfig, ConfigError, ModelConfig, config_from_dict
 from seqax.console import first_line
 from seqax.multihost import make_mesh
 from seqax.shardlib.shardtypes import make_shardings
 from seqax.validation import mesh_misfit
+
+NEWEST_ATTEMPTS = 5  # reads of the newest checkpoint that rotation may remove under a reader, before it gives up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,15 @@ def load_run_config(run_dir: str) -> RunConfig:
     return RunConfig(model, checkpoints, dataset_path, seq_len, int((cfg.get("mesh") or {}).get("c", 1)))
 
 
+def paths_read(run_dir: str, dataset: str | None = None) -> list[tuple[str, str]]:
+    """What a reader of the run reads, named for outputs.check_output_apart: the run directory, its
+    checkpoints (a link may put them elsewhere) and the dataset (`dataset`, default the run's)."""
+    dataset = dataset or load_run_config(run_dir).dataset_path
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    return [(f"the run directory {run_dir!r} (--run-dir)", run_dir), (f"its checkpoints {checkpoints!r}", checkpoints),
+            (f"the dataset {dataset!r}", dataset)]
+
+
 def default_mesh_shape(h: ModelConfig, weights, devices: int) -> tuple[int, int]:
     """(d, t): the most tensor parallelism that the weights (annotated as `weights`, train.Model) allow
     on this many devices; (devices, 1) when none does."""
@@ -83,11 +94,17 @@ def load_weights(run_dir: str, run: RunConfig, mesh, init_weights, weights, step
     `mesh`: `init_weights(model config, key)` gives the weights' shapes (train.init_weights, only
     traced) and `weights` their annotation (train.Model)."""
     checkpointer = Checkpointer(os.path.join(run_dir, "checkpoints"), run.checkpoints)
+    shapes = {"weights": jax.eval_shape(lambda: init_weights(run.model, jax.random.key(0)))}
     try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise ConfigError(f"{run_dir}/checkpoints holds no committed checkpoint")
-        shapes = {"weights": jax.eval_shape(lambda: init_weights(run.model, jax.random.key(0)))}
-        return step, checkpointer.read(step, shapes, {"weights": make_shardings(weights, mesh)})["weights"]
+        for attempt in range(NEWEST_ATTEMPTS):
+            chosen = checkpointer.latest_step() if step is None else step
+            if chosen is None:
+                raise ConfigError(f"{run_dir}/checkpoints holds no committed checkpoint")
+            try:
+                return chosen, checkpointer.read(chosen, shapes, {"weights": make_shardings(weights, mesh)})["weights"]
+            except CheckpointRemoved:
+                # Beside a live run, the newest may be rotated away while it is read: the newest is then newer.
+                if step is not None or attempt == NEWEST_ATTEMPTS - 1:
+                    raise
     finally:
         checkpointer.close()

@@ -2,6 +2,7 @@
 anything is compiled: every mismatch stops the program with one line naming the key and the fix.
 """
 
+import dataclasses
 import math
 
 from seqax.config import ATTENTION_KERNELS, MATMUL_DTYPES, MODEL_DIMENSIONS, Config, ConfigError, ModelConfig
@@ -40,7 +41,10 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
     """Every mismatch between config, devices, data and the weights' annotation `weights`
     (train.Model), found before any compilation."""
     m, d, t, c = cfg.model, cfg.mesh.d, cfg.mesh.t, cfg.mesh.c
-    if d < 1 or t < 1 or c < 1 or d * t * c != n_devices:
+    if min(d, t, c) < 1:
+        raise ConfigError(f"mesh.d={d}, mesh.t={t} and mesh.c={c} must be positive; choose them with a product of "
+                          f"{n_devices}, the devices")
+    if d * t * c != n_devices:
         shown, keys = ((f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1
                        else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c"))
         raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; "
@@ -96,9 +100,27 @@ def check_experts(m: ModelConfig):
 LEVELS = {"zstd": (1, 22), "blosc": (0, 9)}
 
 
+def check_finite(section, where: str = ""):
+    """Every float of a config section and its subsections is a finite number: NaN passes (fails) every
+    comparison a range check makes, and a run with a NaN or an infinite rate diverges at its first step."""
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if dataclasses.is_dataclass(value):
+            check_finite(value, f"{where}{field.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}{field.name}={value} must be a finite number")
+
+
 def check_values(cfg: Config):
     """The numbers that only the devices' math would otherwise reject, late or silently."""
     m, tr = cfg.model, cfg.training
+    check_finite(cfg)
+    for key, value in (("training.seed", tr.seed), ("dataset.seed", cfg.dataset.seed)):
+        if not -(2**63) <= value < 2**63:
+            raise ConfigError(f"{key}={value} does not fit in 64 bits; choose a seed in [0, 2**63)")
+    for key, value in (("rope_base", m.rope_base), ("norm_eps", m.norm_eps)):
+        if not value > 0:
+            raise ConfigError(f"model.{key}={value} must be positive (typical: 10000 and 1e-5)")
     for key, value in (("layers", m.layers), ("d_head", m.d_head), ("n_q_per_kv", m.n_q_per_kv)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive; set it to 1 or more")

@@ -38,7 +38,7 @@ from fixtures import (
 )
 from seqax import sharded_zarr
 from seqax.checkpoint import Checkpointer
-from seqax.config import CheckpointConfig, CheckpointError, ConfigError
+from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError
 from seqax.shardlib.shardtypes import make_shardings
 
 
@@ -237,6 +237,29 @@ def test_keeps_the_newest_complete_checkpoints(tmp_path):
     checkpointer = saved(tmp_path, sample_values(), steps=[1, 2, 3, 4], keep=2)
     checkpointer.close()
     assert sorted(os.listdir(tmp_path)) == ["0000000003", "0000000004"]
+
+
+def test_keep_1_keeps_the_checkpoint_before_the_newest_whose_loss_is_not_yet_known(tmp_path):
+    """Checkpoint N's loss is read only when step N runs: until the next save, N - 1 (whose loss was) stays."""
+    checkpointer = saved(tmp_path, sample_values(), steps=[1, 2, 3, 4], keep=1)
+    checkpointer.close()
+    assert sorted(os.listdir(tmp_path)) == ["0000000003", "0000000004"]
+
+
+def test_a_state_with_a_nan_or_inf_is_not_saved_by_a_finite_only_checkpointer(tmp_path):
+    """A training run's checkpointer (finite_only) refuses a state with a NaN (sample_values has NaN and inf
+    in a bfloat16 leaf), names the step, and writes nothing; a finite state saves."""
+    values = sample_values()
+    checkpointer = Checkpointer(str(tmp_path), checkpoint_config(), finite_only=True)
+    with pytest.raises(DivergedError, match=r"^the state after step 4 holds NaN or inf: training diverged") as error:
+        checkpointer.save(5, put(values, make_mesh(4, 2)))
+    assert error.value.step == 5 and os.listdir(tmp_path) == []
+    b, spec = values["weights"]["b"]
+    b = np.nan_to_num(b.astype(np.float32), posinf=1.0).astype(b.dtype)
+    finite = {**values, "weights": {**values["weights"], "b": (b, spec)}}
+    checkpointer.save(5, put(finite, make_mesh(4, 2)))
+    checkpointer.close()
+    assert checkpointer.complete_steps() == [5]
 
 
 def test_bad_config_is_refused():

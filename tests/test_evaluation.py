@@ -9,6 +9,7 @@ import email
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -301,3 +302,45 @@ def test_an_evaluation_that_a_kill_left_undone_runs_on_resume_once(validation_da
     done = metrics.read_text()
     train_on(validation_dataset, tmp_path, 4, 2)
     assert metrics.read_text() == done
+
+
+@pytest.mark.slow  # two training runs
+def test_a_catch_up_evaluation_whose_checkpoint_is_damaged_is_skipped_with_one_warning(validation_dataset, tmp_path):
+    """Evaluation 4 left undone by a kill, and checkpoint 4 damaged since (a byte of a chunk flipped), while
+    checkpoint 6 is intact: the resume warns once that evaluation 4 is lost and trains on from 6 (it stopped
+    with exit 2 and a line that gave no way out)."""
+    train_on(validation_dataset, tmp_path, 4, 2)  # checkpoints 2, 4 and 6; evaluations after steps 4 and 6
+    run_dir = tmp_path / "eval"
+    metrics = run_dir / "metrics.jsonl"
+    metrics.write_text("".join(line for line in open(metrics)
+                               if not ("eval_loss" in json.loads(line) and json.loads(line)["step"] == 4)))
+    checkpoint = run_dir / "checkpoints" / "0000000004"
+    chunk = max((p for p in checkpoint.glob("weights.*/**/*") if p.is_file() and p.name != "zarr.json"),
+                key=lambda p: p.stat().st_size)  # the evaluation reads the weights alone
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    result = run_train(train_args(tmp_path, validation_dataset, "eval", *eval_overrides(4, 2), "training.steps=8"),
+                       graph=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "damaged" in line]
+    assert len(warnings) == 1 and re.fullmatch(
+        rf"seqax: warning: checkpoint {checkpoint} is damaged \(.+\); its evaluation is skipped \(lost\) and "
+        r"training goes on from checkpoint 6", warnings[0]), warnings
+    lines = [json.loads(line) for line in open(metrics)]
+    assert [line["step"] for line in eval_lines(run_dir)] == [6, 8]
+    assert [line["step"] for line in lines if "loss" in line][-2:] == [6, 7]
+
+
+@pytest.mark.slow  # two training runs
+def test_a_resume_reads_past_bytes_in_metrics_jsonl_that_are_not_utf8(validation_dataset, tmp_path):
+    """A line of bytes that are not UTF-8 in metrics.jsonl (a disk error, an editor): every resume stopped with an
+    80-line UnicodeDecodeError until it was fixed by hand; now the line is no JSON, and the run goes on."""
+    train_on(validation_dataset, tmp_path, 4, 2)
+    metrics = tmp_path / "eval" / "metrics.jsonl"
+    with open(metrics, "ab") as f:
+        f.write(b"\xff\xfe garbage\n")
+    result = run_train(train_args(tmp_path, validation_dataset, "eval", *eval_overrides(4, 2), "training.steps=8"),
+                       graph=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [json.loads(line)["step"] for line in open(metrics, errors="replace") if "eval_loss" in line] == [4, 6, 8]

@@ -152,9 +152,10 @@ def test_glm4_moe_loads_every_weight_and_matches_seqax_logits(exported_moe):
 ], ids=["shared_expert_width", "one_expert"])
 def test_a_mixture_of_experts_glm4_moe_cannot_express_is_refused_in_one_line(tmp_path, capsys, overrides, line):
     cfg = tiny_config(*overrides)
-    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
     with pytest.raises(SystemExit) as exit:
-        export_hf.main(["--run-dir", str(tmp_path), "--output", str(tmp_path / "hf")])
+        export_hf.main(["--run-dir", str(tmp_path / "run"), "--output", str(tmp_path / "hf")])
     assert exit.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"seqax: error: {line}"), lines

@@ -210,6 +210,18 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("+model.experts=6 +model.experts_per_token=2 +model.expert_d_ff=64",
      r"model.experts=6 is not divisible by mesh.d=4: the experts are split over d"),
     ("+training.expert_bias_rate=-0.1", r"training.expert_bias_rate=-0.1 must not be negative"),
+    # NaN passed every range check, and an infinite clip or rate is no limit: each diverged at its first step.
+    ("training.learning_rate=nan", r"training.learning_rate=nan must be a finite number"),
+    ("training.weight_decay=nan", r"training.weight_decay=nan must be a finite number"),
+    ("training.adam_eps=inf", r"training.adam_eps=inf must be a finite number"),
+    ("training.grad_clip=inf", r"training.grad_clip=inf must be a finite number"),
+    ("+training.expert_bias_rate=nan", r"training.expert_bias_rate=nan must be a finite number"),
+    ("model.rope_base=-inf", r"model.rope_base=-inf must be a finite number"),
+    ("model.norm_eps=0", r"model.norm_eps=0.0 must be positive"),
+    # An OverflowError traceback once the run had taken its lock (was).
+    ("training.seed=18446744073709551616", r"training.seed=18446744073709551616 does not fit in 64 bits"),
+    ("dataset.seed=9223372036854775808", r"dataset.seed=9223372036854775808 does not fit in 64 bits"),
+    ("mesh.d=-4 mesh.t=-2", r"mesh.d=-4, mesh.t=-2 and mesh.c=1 must be positive"),  # was: -4 x -2 = 8 must equal 8
 ])
 def test_bad_values_are_one_line_with_the_remedy(override, message):
     overrides = override.split(" ")
@@ -259,8 +271,8 @@ def test_prepare_dataset_refuses_an_output_that_is_or_holds_an_input(tmp_path, c
                               "--txt-documents", "paragraph"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}'; "
-        "writing it would delete the input; choose another --output"]
+        f"prepare_dataset: error: --output '{output}' is or contains the input '{text}', "
+        "which writing it would delete; choose another --output"]
     assert snapshot(tmp_path) == before
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train
-from fixtures import ROOT, child_env, decoded
+from fixtures import ROOT, child_env, decoded, mounted
 from seqax.config import ConfigError, DatasetError, load_config
 from seqax.flat_tokens import FlatTokensWriter, open_flat_tokens
 from tools import prepare_dataset
@@ -218,3 +218,19 @@ def test_vocab_smaller_than_the_data_stops_training(tmp_path):
     with pytest.raises(ConfigError, match=r"model.vocab=256 is too small for the dataset's max_token_id 257"):
         train.train(cfg, "unused: true\n")
     assert not os.path.exists(tmp_path / "vocab")
+
+
+def test_an_output_on_a_read_only_disk_is_one_line(tmp_path, capsys):
+    """A read-only disk under --output: one line naming the path and the cause, exit 2 (was: a 40-line
+    OSError traceback from zarr)."""
+    text = tmp_path / "text.txt"
+    text.write_text("a document\n")
+    with mounted(tmp_path / "disk", "ro") as disk:
+        with pytest.raises(SystemExit) as exit:
+            prepare_dataset.main([str(text), "--output", str(disk / "data.zarr"), "--workers", "1", "--quiet"])
+        assert exit.value.code == 2
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            f"prepare_dataset: error: cannot write dataset '{disk}/data.zarr.tmp-") and lines[0].endswith(
+            ": Read-only file system; write it where you may (another --output)"), lines
+        assert os.listdir(disk) == []

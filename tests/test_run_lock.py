@@ -3,6 +3,7 @@ once with one line naming it, and changes nothing; the lock dies with its holder
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 
 from fixtures import child_env, snapshot, synthetic_dataset
 from seqax import run_lock
-from seqax.config import ConfigError
+from seqax.config import ConfigError, OutputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128", "model.layers=1",
@@ -21,10 +22,10 @@ SMALL = ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128"
 
 
 
-def start_train(root, name: str, dataset: str) -> subprocess.Popen:
+def start_train(root, name: str, dataset: str, *overrides: str) -> subprocess.Popen:
     env = child_env(8, graph=False)  # nothing here reads training_step.svg
     cmd = [sys.executable, "-m", "train", "--config-name=local_test_synthetic", f"+paths.model_name={name}",
-           f"paths.root_working_dir={root}", f"dataset.path={dataset}", *SMALL]
+           f"paths.root_working_dir={root}", f"dataset.path={dataset}", *SMALL, *overrides]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -98,3 +99,41 @@ def test_a_second_run_stops_at_once_and_the_first_finishes_undisturbed(dataset, 
     assert (sorted(os.listdir(tmp_path / "run" / "checkpoints"))
             == sorted(os.listdir(tmp_path / "reference" / "checkpoints"))
             == ["0000000004", "0000000008", "0000000012"])
+
+
+def test_a_lock_whose_file_was_deleted_or_replaced_is_no_longer_in_place(tmp_path):
+    run_dir = str(tmp_path / "run")
+    with run_lock.hold(run_dir):
+        identity = run_lock.lock_identity(run_dir)
+        run_lock.check_in_place(run_dir, identity)
+        os.rename(run_dir, str(tmp_path / "moved"))
+        os.makedirs(os.path.join(run_dir))
+        with open(os.path.join(run_dir, run_lock.LOCK_FILE), "w"):
+            pass  # a new directory, a new lock file: another inode
+        with pytest.raises(OutputError, match=rf"^the run directory '{run_dir}' was deleted, moved or replaced"):
+            run_lock.check_in_place(run_dir, identity)
+
+
+@pytest.mark.slow
+def test_a_run_directory_deleted_under_a_live_run_stops_it_with_one_line_and_stays_deleted(dataset, tmp_path):
+    """The run directory removed (rm -rf) while the run trains, after its first checkpoint: one line at the next
+    step or save, exit 2, and nothing under it recreated (it went on writing a deleted metrics.jsonl, exit 0, and
+    checkpoints reappeared in a directory without config, metrics or lock)."""
+    run = start_train(tmp_path, "run", dataset, "training.steps=100000", "checkpoint_interval=5")
+    run_dir = tmp_path / "run"
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "0000000005").exists():
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+            time.sleep(0.1)
+        while run_dir.exists():  # the run writes while it is removed: rmtree again until it is gone
+            shutil.rmtree(run_dir, ignore_errors=True)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if not line.startswith("seqax: warning: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"seqax: error: the run directory '{run_dir}' was deleted, moved or replaced while this run was writing it"), (
+        errors)
+    assert not run_dir.exists()

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -15,8 +16,9 @@ from omegaconf import OmegaConf
 import sample
 import train
 from fixtures import ROOT, child_env, mounted, snapshot
+from seqax import sharded_zarr
 from seqax.checkpoint import Checkpointer
-from seqax.config import ConfigError, load_config
+from seqax.config import CheckpointError, ConfigError, load_config
 from seqax.flat_tokens import write_flat_tokens
 from seqax.tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf
@@ -181,3 +183,53 @@ def test_a_run_directory_whose_config_cannot_be_read_is_one_line(tmp_path, capsy
 def test_sample_still_generates(run_dir, capsys):
     sample.main(["--run-dir", run_dir, "--prompt", "hello", "--max-new-tokens", "3", "--temperature", "0"])
     assert capsys.readouterr().out.startswith("--- sample 0\nhello")
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers beside a live run: rotation may delete the checkpoint they read.
+
+
+@pytest.mark.slow  # two exports of a tiny model, four checkpoints written (about 10 s)
+def test_a_checkpoint_rotated_away_while_read_is_not_called_damaged(run_dir, tmp_path, monkeypatch):
+    """A live run with checkpoints.keep=1 commits checkpoints 3 and 4 while the export reads checkpoint 2, and
+    rotation deletes 2 under it (the export called it damaged; sample.py too: both read through
+    runs.load_weights). The newest is read again and exported; an explicit --step says it was removed, not
+    damaged, and names the steps there are."""
+    live = tmp_path / "live"
+    live.mkdir()
+    (live / "config.yaml").write_bytes(open(os.path.join(run_dir, "config.yaml"), "rb").read())
+    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16",
+                                               "model.d_ff=128", "model.layers=1", "model.vocab=258",
+                                               "+paths.model_name=live", "checkpoints.keep=1"])
+    state = train.init_state(cfg, train.make_mesh(4, 2))
+    writer = Checkpointer(str(live / "checkpoints"), cfg.checkpoints)
+    for step in (1, 2):
+        writer.save(step, state)
+    writer.wait()
+    read_chunk, saves, one_at_a_time = sharded_zarr.read_chunk, [3, 4], threading.Lock()
+
+    def read_while_the_run_saves(*args):
+        with one_at_a_time:  # the reader's threads read chunks at once
+            for step in saves:  # at the first chunk read, the run saves, and rotation deletes what is read
+                writer.save(step, state)
+            writer.wait()
+            saves.clear()
+        return read_chunk(*args)
+
+    monkeypatch.setattr(sharded_zarr, "read_chunk", read_while_the_run_saves)
+    assert export_hf.export(str(live), str(tmp_path / "hf")) == 4
+    assert sorted(os.listdir(live / "checkpoints")) == ["0000000003", "0000000004"]
+    saves.extend([5, 6])
+    with pytest.raises(CheckpointError, match=r"checkpoint .*/0000000004 was removed while it was read \(the run's "
+                                              r"rotation, checkpoints.keep\); read a newer one: the committed steps "
+                                              r"are now \[5, 6\]"):
+        export_hf.export(str(live), str(tmp_path / "hf4"), step=4)
+    writer.close()
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_sample_refuses_a_temperature_that_is_not_a_finite_non_negative_number(run_dir, capsys, temperature):
+    """`--temperature nan` printed token 0s, exit 0."""
+    line = one_error_line(capsys, lambda: sample.main(["--run-dir", run_dir, "--prompt", "hi", "--temperature",
+                                                       temperature]))
+    assert "--temperature a finite number and not negative" in line

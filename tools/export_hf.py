@@ -50,7 +50,8 @@ import zarr
 
 import train
 from seqax.config import ConfigError, DatasetError, SeqaxError, TokenizerError
-from seqax.runs import load_run_config, load_weights, run_mesh
+from seqax.outputs import check_output_apart
+from seqax.runs import load_run_config, load_weights, paths_read, run_mesh
 from seqax.tokenizer import EOD_TOKEN, ByteTokenizer
 
 BOS_TOKEN = "<seqax_bos>"
@@ -241,6 +242,7 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     """Writes the HF model directory; returns the checkpoint step exported. Everything goes to
     `<output>.tmp-<random>`, renamed into place when complete: an interrupted export leaves no
     half-written output, and --overwrite replaces the old one whole (no stale files)."""
+    check_output_apart(output, paths_read(run_dir, dataset))
     if os.path.lexists(output) and not overwrite:
         raise ConfigError(f"--output {output!r} exists; pass --overwrite to replace it, or choose another --output")
     try:

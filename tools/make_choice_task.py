@@ -19,6 +19,7 @@ import sys
 
 from seqax.config import SeqaxError
 from seqax.flat_tokens import open_flat_tokens
+from seqax.outputs import check_output_apart
 from seqax.tokenizer import dataset_tokenizer
 
 
@@ -71,6 +72,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
+        check_output_apart(args.output, [(f"the dataset {args.dataset!r} (--dataset)", args.dataset)])
         written = examples(validation_documents(args.dataset), args.examples, args.choices, args.context_chars,
                            args.seed)
     except SeqaxError as e:

@@ -17,6 +17,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from seqax.config import ConfigError  # noqa: E402
+from seqax.outputs import check_output_apart  # noqa: E402
+
 PANELS = [("loss", "loss"), ("learning_rate", "learning rate"), ("grad_norm", "grad norm"),
           ("tokens_per_second", "tokens/s")]
 
@@ -72,10 +75,15 @@ def main(argv=None):
     parser.add_argument("run_dirs", nargs="+", help="run directories holding metrics.jsonl")
     parser.add_argument("--output", help="PNG to write (default: RUN_DIR/metrics.png of the first run)")
     args = parser.parse_args(argv)
-    for run_dir in args.run_dirs:
-        if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+    metrics = [os.path.join(run_dir, "metrics.jsonl") for run_dir in args.run_dirs]
+    for run_dir, path in zip(args.run_dirs, metrics):
+        if not os.path.exists(path):
             parser.error(f"{run_dir} has no metrics.jsonl")
     output = args.output or os.path.join(args.run_dirs[0], "metrics.png")
+    try:
+        check_output_apart(output, [(f"the metrics {m!r}", m) for m in metrics])
+    except ConfigError as e:
+        parser.error(str(e))
     plot(args.run_dirs, output)
     print(f"wrote {output}")
 

@@ -51,6 +51,7 @@ import numpy as np
 
 from seqax.config import DatasetError, SeqaxError
 from seqax.flat_tokens import FlatTokensWriter
+from seqax.outputs import check_output_apart
 from seqax.tokenizer import from_spec, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # text sent to a worker at a time
@@ -237,19 +238,15 @@ class Splitter:
         self.writer.add_documents("validation", [tokens for _, _, tokens in sorted(self.held, key=lambda x: x[1])])
 
 
-def check_output_apart(inputs: list[str], output: str):
-    """Replacing the output must never delete an input: refuse an output equal to or holding one."""
-    out = os.path.realpath(output)
-    for name in inputs:
-        for path in glob.glob(name, recursive=True) or [name]:
-            path = os.path.realpath(path)
-            if path == out or path.startswith(out + os.sep):
-                raise DatasetError(f"--output {output!r} is or contains the input {name!r}; "
-                                   "writing it would delete the input; choose another --output")
+def inputs_read(args) -> list[tuple[str, str]]:
+    """(the name the user gave, a path) of every input file or directory that the inputs and
+    --validation-inputs name, patterns expanded."""
+    names = [*args.inputs, *(args.validation_inputs or [])]
+    return [(f"the input {name!r}", path) for name in names for path in glob.glob(name, recursive=True) or [name]]
 
 
 def prepare(args) -> dict:
-    check_output_apart(args.inputs, args.output)
+    check_output_apart(args.output, inputs_read(args), error=DatasetError)
     tokenizer = load_tokenizer(args.tokenizer, eos=not args.no_eos, eos_token=args.eos_token)
     held_out = validation_files(args)
     start, total = time.perf_counter(), 0
