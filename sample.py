@@ -34,10 +34,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import train
-from seqax import memory
-from seqax.attention import causal_document_mask, dense_attention
+from seqax.analysis import memory
 from seqax.config import ConfigError, ModelConfig, SeqaxError, TokenizerError
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.flat_tokens import open_flat_tokens
+from seqax.data.tokenizer import dataset_tokenizer
+from seqax.kernels.attention import causal_document_mask, dense_attention
 from seqax.runs import load_run_config, load_weights, run_mesh
 from seqax.shardlib.shardtypes import (
     Array,
@@ -49,7 +50,6 @@ from seqax.shardlib.shardtypes import (
     typed_shard_map,
     u32,
 )
-from seqax.tokenizer import dataset_tokenizer
 
 
 @pytree_dataclass

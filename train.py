@@ -43,17 +43,19 @@ import jax.numpy as jnp
 from jax import lax
 from omegaconf import DictConfig, OmegaConf
 
-from seqax import flops, run_lock
-from seqax.attention import training_attention
+from seqax import run_lock
+from seqax.analysis import flops
+from seqax.analysis.memory import check_step_fits
+from seqax.analysis.startup_report import StartupReport, compile_step
 from seqax.checkpoint import Checkpointer
 from seqax.config import Config, ModelConfig, TrainingConfig, config_from_dict, run_hydra
-from seqax.data_loader import make_loader, zigzag_chunks
-from seqax.evaluation import Evaluation
+from seqax.data.data_loader import make_loader, zigzag_chunks
+from seqax.data.evaluation import Evaluation
+from seqax.data.flat_tokens import open_flat_tokens
 from seqax.expert_dispatch import plan_dispatch, received_blocks
-from seqax.flat_tokens import open_flat_tokens
-from seqax.grouped_swiglu import grouped_swiglu
 from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
-from seqax.memory import check_step_fits
+from seqax.kernels.attention import training_attention
+from seqax.kernels.grouped_swiglu import grouped_swiglu
 from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
 from seqax.muon_sharding import layer_matrices, matrix_shape, orthogonalized_here, padded_to_devices
 from seqax.records import RunRecords
@@ -63,7 +65,6 @@ from seqax.shardlib.shardops import take_unreduced
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
 from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
-from seqax.startup_report import StartupReport, compile_step
 from seqax.validation import check_attention_blocks, validate_config
 from seqax.xla_cpu import normal_drawn_as, transposed_weight
 
@@ -581,12 +582,12 @@ def init_state(cfg: Config, mesh) -> State:
 
 
 def model_flops_per_token(arch: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (MFU's numerator; seqax/flops.py counts them from the weights' shapes)."""
+    """Training FLOPs per token (MFU's numerator; seqax/analysis/flops.py counts them from the weights' shapes)."""
     return flops.model_flops_per_token(arch, seq_len, init_weights)
 
 
 def newton_schulz_flops(arch: ModelConfig, devices: int) -> tuple[float, float]:
-    """FLOPs of a step's Newton-Schulz iterations, in all and on the busiest device (seqax/flops.py)."""
+    """FLOPs of a step's Newton-Schulz iterations, in all and on the busiest device (seqax/analysis/flops.py)."""
     return flops.newton_schulz_flops(arch, devices, init_weights, MUON, NEWTON_SCHULZ_STEPS)
 
 

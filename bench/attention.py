@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import train
-from seqax import attention
+from seqax.kernels import attention
 
 DEFAULT_METHODS = {"cpu": ("dense", "blockwise"), "gpu": ("blockwise", "pallas", "cudnn"),
                    "tpu": ("blockwise", "pallas")}

@@ -29,9 +29,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import train  # noqa: E402
 from bench.attention import method, value_and_grad  # noqa: E402
-from seqax import roofline  # noqa: E402
+from seqax.analysis import roofline  # noqa: E402
 from seqax.config import load_config  # noqa: E402
-from seqax.targets import TARGETS  # noqa: E402
+from seqax.analysis.targets import TARGETS  # noqa: E402
 
 
 def compiled_for(target, name: str, block: int, B: int, L: int, Q: int, K: int, D: int):

@@ -17,8 +17,8 @@ import argparse
 
 import numpy as np
 
-from seqax.data_loader import RowOrder, RowSource
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.data_loader import RowOrder, RowSource
+from seqax.data.flat_tokens import open_flat_tokens
 
 
 def first_key_blocks(doc_start: np.ndarray, block: int) -> np.ndarray:

@@ -7,7 +7,7 @@ device, collectives and the roofline's step time, MFU ceiling and where the time
 
 Each config is compiled for each target on as many devices as its mesh has (GPUs: hosts of 8; TPU
 chips: the smallest slice), with the real step (startup_report.compile_step) on abstract state: no
-device, no dataset. Targets: seqax/targets.py (h100, h200, b200, v5e, v5p, v6e). For each it prints
+device, no dataset. Targets: seqax/analysis/targets.py (h100, h200, b200, v5e, v5p, v6e). For each it prints
 the compile time; memory per device as the target's compiler plans it (memory_analysis), against
 the device's memory and memory.py's estimate; the collectives (bytes as communication.py counts
 them), and how many the compiler made asynchronous; and the roofline (roofline.py,
@@ -39,13 +39,13 @@ import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 import train  # noqa: E402
-from seqax import memory, roofline  # noqa: E402
+from seqax.analysis import memory, roofline  # noqa: E402
+from seqax.analysis.startup_report import compile_step  # noqa: E402
+from seqax.analysis.targets import TARGETS, Target  # noqa: E402
 from seqax.config import SeqaxError, load_config  # noqa: E402
 from seqax.console import first_line  # noqa: E402
 from seqax.multihost import make_mesh  # noqa: E402
 from seqax.shardlib.shardtypes import abstract_arrays  # noqa: E402
-from seqax.startup_report import compile_step  # noqa: E402
-from seqax.targets import TARGETS, Target  # noqa: E402
 from seqax.validation import validate_config  # noqa: E402
 
 GiB = 2**30

@@ -23,8 +23,9 @@ import numpy as np
 import train
 from bench.measure_step import time_steps
 from bench.memory import accelerator_estimate
-from seqax import config, memory
-from seqax.startup_report import compile_step
+from seqax import config
+from seqax.analysis import memory
+from seqax.analysis.startup_report import compile_step
 
 MiB = 2**20
 MODEL = ["model.attention_block=256", "training.tokens.batch=1", "model.n_kv=8", "model.n_q_per_kv=1"]

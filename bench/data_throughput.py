@@ -27,8 +27,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import train  # noqa: E402
 from seqax.config import DatasetConfig  # noqa: E402
-from seqax.data_loader import make_loader  # noqa: E402
-from seqax.flat_tokens import open_flat_tokens  # noqa: E402
+from seqax.data.data_loader import make_loader  # noqa: E402
+from seqax.data.flat_tokens import open_flat_tokens  # noqa: E402
 from tools import prepare_dataset  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -21,9 +21,10 @@ import numpy as np
 
 import train
 from bench.throughput import Row
-from seqax import config, hardware, memory, roofline
-from seqax.startup_report import compile_step
-from seqax.targets import target_for
+from seqax import config
+from seqax.analysis import hardware, memory, roofline
+from seqax.analysis.startup_report import compile_step
+from seqax.analysis.targets import target_for
 from seqax.validation import validate_config
 
 

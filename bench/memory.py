@@ -27,9 +27,10 @@ from functools import partial
 import jax
 
 import train
-from seqax import communication, config, memory
+from seqax import config
+from seqax.analysis import communication, memory
+from seqax.analysis.startup_report import compile_step
 from seqax.shardlib.shardtypes import abstract_arrays
-from seqax.startup_report import compile_step
 from seqax.validation import validate_config
 
 GiB = 2**30

@@ -29,8 +29,8 @@ import numpy as np
 import train
 from bench.memory import config_mesh
 from seqax.config import Config, MeshConfig, SeqaxError, load_config
-from seqax.data_loader import make_loader
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.data_loader import make_loader
+from seqax.data.flat_tokens import open_flat_tokens
 from seqax.validation import validate_config
 
 DEFAULT_MESHES = ["1x1x1", "8x1x1", "4x2x1", "2x4x1"]

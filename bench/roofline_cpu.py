@@ -1,4 +1,4 @@
-"""The roofline model (seqax/roofline.py) checked where it can be: on this CPU, predicted against
+"""The roofline model (seqax/analysis/roofline.py) checked where it can be: on this CPU, predicted against
 measured step time.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m bench.roofline_cpu \\
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import train
 from bench.compile_for import category
 from bench.measure_step import time_steps
-from seqax import hardware, roofline
+from seqax.analysis import hardware, roofline
 from seqax.config import load_config
 
 

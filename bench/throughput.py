@@ -55,8 +55,8 @@ class Row:
     peak_memory_bytes: int | None = None  # per device
     peak_memory_source: str = ""  # "measured" (device.memory_stats) or "XLA estimate" (memory_analysis)
     compile_seconds: float | None = None
-    # The roofline's step time of the compiled step on this device (seqax/roofline.py), where
-    # seqax/targets.py knows the device: next to the measured one, it calibrates the model.
+    # The roofline's step time of the compiled step on this device (seqax/analysis/roofline.py), where
+    # seqax/analysis/targets.py knows the device: next to the measured one, it calibrates the model.
     predicted_step_time_s: float | None = None
 
 

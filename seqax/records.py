@@ -25,7 +25,8 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 
-from seqax import hardware, run_lock, wandb_log
+from seqax import run_lock, wandb_log
+from seqax.analysis import hardware
 from seqax.config import DivergedError, OutputError
 from seqax.profiler import ProfileWindow, steps_to_profile
 from seqax.wandb_log import WandbLog

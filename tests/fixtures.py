@@ -16,10 +16,10 @@ import train
 from bench.mesh_agreement import metrics_on_meshes  # noqa: F401 (the tests' name for it)
 from seqax import config
 from seqax.config import load_config
-from seqax.data_loader import zigzag_order
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.data_loader import zigzag_order
+from seqax.data.flat_tokens import open_flat_tokens
+from seqax.data.tokenizer import dataset_tokenizer
 from seqax.shardlib.shardtypes import abstract_arrays, bool_, f32, typed_shard_map, u32
-from seqax.tokenizer import dataset_tokenizer
 from tools import prepare_dataset
 from tools.launch_local import free_port
 from tools.write_synthetic_dataset import main as write_synthetic_dataset

@@ -17,8 +17,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 from seqax.config import DatasetConfig
-from seqax.data_loader import make_loader  # noqa: E402
-from seqax.flat_tokens import open_flat_tokens  # noqa: E402
+from seqax.data.data_loader import make_loader  # noqa: E402
+from seqax.data.flat_tokens import open_flat_tokens  # noqa: E402
 
 
 def main():

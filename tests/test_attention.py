@@ -9,9 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 import train
 from fixtures import make_mesh, tiny_config
-from seqax import attention
 from seqax.config import ConfigError
-from seqax.flash_attention import ring_flash_attention
+from seqax.kernels import attention
+from seqax.kernels.flash_attention import ring_flash_attention
 from seqax.shardlib.shardtypes import f32, typed_shard_map, u32
 
 B, L, Q, K, D = 4, 64, 2, 4, 16

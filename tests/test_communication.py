@@ -9,9 +9,9 @@ import pytest
 
 import train
 from fixtures import abstract_state, make_mesh
-from seqax import communication
+from seqax.analysis import communication
+from seqax.analysis.startup_report import compile_step
 from seqax.config import load_config
-from seqax.startup_report import compile_step
 
 
 def test_bytes_of_a_ring_collective():

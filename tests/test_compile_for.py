@@ -14,8 +14,8 @@ import pytest
 import train
 from fixtures import ROOT
 from seqax.config import load_config
-from seqax.flash_attention import tiling_for
-from seqax.flash_blocks import matmul_flops
+from seqax.kernels.flash_attention import tiling_for
+from seqax.kernels.flash_blocks import matmul_flops
 
 COMPILERS_PYTHON = os.path.join(ROOT, ".venv-compilers", "bin", "python")
 pytestmark = pytest.mark.slow  # real compiles, 10-30 s each

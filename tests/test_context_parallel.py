@@ -13,11 +13,12 @@ from omegaconf import OmegaConf
 import sample
 import train
 from fixtures import abstract_state, make_mesh, tiny_config
-from seqax import attention, memory
+from seqax.analysis import memory
 from seqax.checkpoint import Checkpointer
 from seqax.config import ConfigError
-from seqax.data_loader import make_loader, zigzag_chunks, zigzag_order
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.data_loader import make_loader, zigzag_chunks, zigzag_order
+from seqax.data.flat_tokens import open_flat_tokens
+from seqax.kernels import attention
 from seqax.shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 from seqax.validation import validate_config
 

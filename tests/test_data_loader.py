@@ -11,8 +11,8 @@ import zarr
 
 from fixtures import run_processes
 from seqax.config import DatasetConfig, DatasetError
-from seqax.data_loader import RowOrder, derive_key, feistel_permute, make_loader
-from seqax.flat_tokens import open_flat_tokens, write_flat_tokens
+from seqax.data.data_loader import RowOrder, derive_key, feistel_permute, make_loader
+from seqax.data.flat_tokens import open_flat_tokens, write_flat_tokens
 
 B, L = 8, 16
 GOLDEN = 0x9E3779B97F4A7C15

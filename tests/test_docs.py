@@ -156,12 +156,15 @@ def test_names_that_do_not_exist_are_found():
 
 
 def layout_names() -> set[str]:
-    """The files docs/layout.md names, as paths from the root: backticked names, those of the
-    section on `seqax/` taken inside seqax/."""
-    names = set()
-    for section in re.split(r"\n(?=## )", text_of("docs/layout.md")):
-        inside = "seqax/" if section.startswith("## ") and "`seqax/`" in section.splitlines()[0] else ""
-        for name in re.findall(r"`([^`\s]+)`", section):
+    """The files docs/layout.md names, as paths from the root: backticked names, those under a heading that
+    names a folder of the package (`seqax/`, `seqax/kernels/`) taken inside that folder."""
+    names, inside = set(), ""
+    for line in text_of("docs/layout.md").splitlines():
+        if line.startswith("#"):
+            folder = re.search(r"`(seqax/[\w/]*)`", line)
+            inside = folder.group(1) if folder else ""
+            continue
+        for name in re.findall(r"`([^`\s]+)`", line):
             names.add(name if name.startswith(FOLDERS) else inside + name)
     return names
 

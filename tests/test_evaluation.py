@@ -34,12 +34,13 @@ from fixtures import (
 )
 from reference import loss as reference_loss
 from reference import sequence_losses, weights_to_dicts
-from seqax import evaluation, runs
+from seqax import runs
 from seqax.config import Config, ConfigError, config_from_dict
-from seqax.data_loader import make_loader
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data import evaluation
+from seqax.data.data_loader import make_loader
+from seqax.data.flat_tokens import open_flat_tokens
+from seqax.data.tokenizer import ByteTokenizer, JsonTokenizer
 from seqax.shardlib.shardtypes import make_shardings
-from seqax.tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf, lm_eval_task, make_choice_task
 
 

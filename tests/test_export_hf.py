@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 import train
 from fixtures import float32_config, forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
 from seqax.checkpoint import Checkpointer
+from seqax.data.tokenizer import dataset_tokenizer
 from seqax.shardlib.shardtypes import make_shardings
-from seqax.tokenizer import dataset_tokenizer
 from tools import export_hf
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 20

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from seqax.config import TokenizerError
-from seqax.tokenizer import ByteTokenizer
+from seqax.data.tokenizer import ByteTokenizer
 from tools.export_hf import BOS_TOKEN, PAD_TOKEN, exported_tokenizer_json, pad_id, shifted_tokenizer_json
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog", "hello world, the dog sleeps",

@@ -16,7 +16,7 @@ import train
 from fixtures import forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
 from seqax import runs
 from seqax.config import ConfigError
-from seqax.tokenizer import dataset_tokenizer
+from seqax.data.tokenizer import dataset_tokenizer
 from tools import export_hf
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog.", "pack my box with five dozen liquor jugs.",

@@ -15,11 +15,12 @@ import zarr
 
 import train
 from fixtures import abstract_state, make_mesh, snapshot, tiny_config
-from seqax import flat_tokens, memory
+from seqax.analysis import memory
+from seqax.analysis.startup_report import compile_step
 from seqax.config import ConfigError, DatasetConfig, DatasetError, load_config
-from seqax.data_loader import make_loader
-from seqax.flat_tokens import open_flat_tokens, write_flat_tokens
-from seqax.startup_report import compile_step
+from seqax.data import flat_tokens
+from seqax.data.data_loader import make_loader
+from seqax.data.flat_tokens import open_flat_tokens, write_flat_tokens
 from seqax.validation import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -32,11 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 import train
 from fixtures import make_mesh, put_batch, random_batch, tiny_config
-from seqax import attention, flash_gpu, flash_tpu
 from seqax.config import ConfigError
-from seqax.data_loader import zigzag_order
-from seqax.flash_attention import _ring_flash_attention, tiling_for
-from seqax.flash_blocks import Tiling, key_block_ranges, query_block_ranges
+from seqax.data.data_loader import zigzag_order
+from seqax.kernels import attention, flash_gpu, flash_tpu
+from seqax.kernels.flash_attention import _ring_flash_attention, tiling_for
+from seqax.kernels.flash_blocks import Tiling, key_block_ranges, query_block_ranges
 
 F32 = jnp.float32
 U = 2.0**-8  # bf16's unit roundoff

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from fixtures import make_mesh
-from seqax import attention
+from seqax.kernels import attention
 from test_flash_attention import check, doc_starts, exact, qkv_and_cotangent
 from test_moe import assert_equals_reference, moe_problem, reference_of
 

@@ -1,4 +1,4 @@
-"""seqax/grouped_swiglu.py against the plain statement of its math: every listed row's SwiGLU by its
+"""seqax/kernels/grouped_swiglu.py against the plain statement of its math: every listed row's SwiGLU by its
 group's weights (the dense SwiGLU's roundings), unlisted rows unchanged; values and gradients, in float32
 and bfloat16, on one device and inside shard_map with each device's own groups."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fixtures import make_mesh
-from seqax.grouped_swiglu import grouped_swiglu
+from seqax.kernels.grouped_swiglu import grouped_swiglu
 from seqax.shardlib.shardtypes import f32, i32, typed_shard_map
 
 rng = np.random.default_rng(0)

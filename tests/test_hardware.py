@@ -2,7 +2,7 @@
 
 import pytest
 
-from seqax import hardware
+from seqax.analysis import hardware
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqax import hlo_graph
+from seqax.analysis import hlo_graph
 
 
 def compiled_loop():

@@ -11,8 +11,9 @@ import pytest
 
 import train
 from fixtures import abstract_state, make_mesh, tiny_config
-from seqax import attention, memory
+from seqax.analysis import memory
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing, fold_in_str, save_for_backward
+from seqax.kernels import attention
 
 
 def small_function(x):

@@ -10,7 +10,7 @@ import pytest
 
 import train
 from fixtures import abstract_state, make_mesh, tiny_config
-from seqax import memory
+from seqax.analysis import memory
 from seqax.jax_extra import save_for_backward
 from seqax.shardlib.shardtypes import leaf_dims
 

@@ -23,8 +23,8 @@ from fixtures import (
 )
 from reference import loss as reference_loss
 from reference import weights_to_dicts
+from seqax.analysis.startup_report import compile_step
 from seqax.shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
-from seqax.startup_report import compile_step
 
 MESHES = [(1, 1), (8, 1), (4, 2), (2, 4), (1, 8)]
 # The tiny model has 2 layers of 8 kv heads, so that every mesh of 8 devices splits its heads.

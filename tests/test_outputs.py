@@ -17,8 +17,8 @@ import train
 from fixtures import ROOT, child_env, snapshot
 from seqax.checkpoint import Checkpointer
 from seqax.config import load_config
-from seqax.flat_tokens import write_flat_tokens
-from seqax.tokenizer import ByteTokenizer
+from seqax.data.flat_tokens import write_flat_tokens
+from seqax.data.tokenizer import ByteTokenizer
 from tools import export_hf, make_choice_task, plot_metrics, prepare_dataset
 
 

@@ -12,7 +12,7 @@ import pytest
 import train
 from fixtures import ROOT, child_env, decoded, mounted
 from seqax.config import ConfigError, DatasetError, load_config
-from seqax.flat_tokens import FlatTokensWriter, open_flat_tokens
+from seqax.data.flat_tokens import FlatTokensWriter, open_flat_tokens
 from tools import prepare_dataset
 
 PIECES = ["héllo wörld", "naïve café", "日本語のテキスト", "def f(x):\n    return x * 2", "plain ascii"]

@@ -20,7 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import train
 from fixtures import fill, mounted, run_train, start_train, synthetic_dataset, tiny_overrides, train_args
-from seqax import config, hardware
+from seqax import config
+from seqax.analysis import hardware
 from seqax.records import RunRecords
 
 

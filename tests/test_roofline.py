@@ -5,8 +5,8 @@ Pallas kernel that states its FLOPs."""
 
 import pytest
 
-from seqax import roofline
-from seqax.hlo import parse_module
+from seqax.analysis import roofline
+from seqax.analysis.hlo import parse_module
 
 RATES = roofline.Rates(matmul_flops=1e12, vector_flops=1e11, memory_bandwidth=1e10, link_bandwidth=1e9,
                        network_bandwidth=1e8, devices_per_host=4, launch_seconds=1e-6)

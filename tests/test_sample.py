@@ -26,7 +26,7 @@ from fixtures import (
     train_args,
 )
 from seqax import config, runs
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.flat_tokens import open_flat_tokens
 from seqax.shardlib.shardtypes import make_shardings
 
 PROMPTS = [[], [5, 17, 3], [200, 9, 9, 41, 77, 130, 2, 8, 250, 64, 11]]

@@ -15,10 +15,12 @@ from jax import lax
 
 import train
 from fixtures import abstract_state, make_mesh
-from seqax import attention, config, startup_report
+from seqax import config
+from seqax.analysis import startup_report
+from seqax.analysis.startup_report import StartupReport, compile_step
 from seqax.config import load_config
+from seqax.kernels import attention
 from seqax.shardlib.shardtypes import bool_, f32, typed_shard_map, u32
-from seqax.startup_report import StartupReport, compile_step
 
 
 def dot_flops(jaxpr) -> int:

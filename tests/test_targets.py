@@ -3,7 +3,7 @@ mapped to its target (as bench/measure_step.py does on a lent GPU)."""
 
 import pytest
 
-from seqax.targets import TARGETS, target_for
+from seqax.analysis.targets import TARGETS, target_for
 
 
 @pytest.mark.parametrize("name,devices,topology", [

@@ -19,8 +19,8 @@ from fixtures import ROOT, child_env, mounted, snapshot
 from seqax import sharded_zarr
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointError, ConfigError, load_config
-from seqax.flat_tokens import write_flat_tokens
-from seqax.tokenizer import ByteTokenizer, JsonTokenizer
+from seqax.data.flat_tokens import write_flat_tokens
+from seqax.data.tokenizer import ByteTokenizer, JsonTokenizer
 from tools import export_hf
 
 

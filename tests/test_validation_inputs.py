@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from fixtures import decoded, make_mesh, tiny_config
-from seqax import evaluation
-from seqax.flat_tokens import open_flat_tokens
-from seqax.tokenizer import dataset_tokenizer
+from seqax.data import evaluation
+from seqax.data.flat_tokens import open_flat_tokens
+from seqax.data.tokenizer import dataset_tokenizer
 from tools import prepare_dataset
 
 TRAIN = [f"training document {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(12)]

@@ -16,7 +16,8 @@ import yaml
 from wandb.proto import wandb_internal_pb2
 
 import train
-from seqax import config, hardware, wandb_log
+from seqax import config, wandb_log
+from seqax.analysis import hardware
 from seqax.records import RunRecords
 
 CONFIG_YAML = "model:\n  d_model: 8\ntraining:\n  steps: 8\nlogging:\n  wandb_project: seqax-test\n  wandb_entity: ''\n"

@@ -50,9 +50,9 @@ import zarr
 
 import train
 from seqax.config import ConfigError, DatasetError, SeqaxError, TokenizerError
+from seqax.data.tokenizer import EOD_TOKEN, ByteTokenizer
 from seqax.outputs import check_output_apart
 from seqax.runs import load_run_config, load_weights, paths_read, run_mesh
-from seqax.tokenizer import EOD_TOKEN, ByteTokenizer
 
 BOS_TOKEN = "<seqax_bos>"
 PAD_TOKEN = "<seqax_pad>"

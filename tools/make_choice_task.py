@@ -18,9 +18,9 @@ import random
 import sys
 
 from seqax.config import SeqaxError
-from seqax.flat_tokens import open_flat_tokens
+from seqax.data.flat_tokens import open_flat_tokens
+from seqax.data.tokenizer import dataset_tokenizer
 from seqax.outputs import check_output_apart
-from seqax.tokenizer import dataset_tokenizer
 
 
 def validation_documents(path: str) -> list[str]:

@@ -50,9 +50,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from seqax.config import DatasetError, SeqaxError
-from seqax.flat_tokens import FlatTokensWriter
+from seqax.data.flat_tokens import FlatTokensWriter
+from seqax.data.tokenizer import from_spec, load_tokenizer
 from seqax.outputs import check_output_apart
-from seqax.tokenizer import from_spec, load_tokenizer
 
 BATCH_CHARS = 1 << 20  # text sent to a worker at a time
 

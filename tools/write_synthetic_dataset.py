@@ -14,7 +14,7 @@ import argparse
 
 import numpy as np
 
-from seqax.flat_tokens import write_flat_tokens
+from seqax.data.flat_tokens import write_flat_tokens
 
 TASKS = ("copy", "reverse", "sort", "shift")
 SEPARATOR = 1  # token 0 is the begin-of-document input the model sees; never a target here

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqax import flash_gpu, flash_tpu
 from seqax.config import ConfigError
-from seqax.flash_blocks import F32, Tiling
 from seqax.jax_extra import save_in_forward_rule
+from seqax.kernels import flash_gpu, flash_tpu
+from seqax.kernels.flash_blocks import F32, Tiling
 from seqax.shardlib.bits import is_narrow_float
 from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 

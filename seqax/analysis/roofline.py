@@ -24,8 +24,8 @@ import dataclasses
 import math
 import re
 
-from seqax import hlo
-from seqax.communication import collective_shape, sent_bytes
+from seqax.analysis import hlo
+from seqax.analysis.communication import collective_shape, sent_bytes
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 # Instructions that move no data of their own: views, tuples, control, the end of an async op.

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from seqax.flash_blocks import (
+from seqax.analysis.roofline import stated_flops
+from seqax.kernels.flash_blocks import (
     F32,
     Tiling,
     check_shapes,
@@ -38,7 +39,6 @@ from seqax.flash_blocks import (
     softmax_step,
     visible,
 )
-from seqax.roofline import stated_flops
 
 
 def _run_block(t, first, stop, last_block: int):

@@ -19,7 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqax.flash_blocks import (
+from seqax.analysis.roofline import stated_flops
+from seqax.kernels.flash_blocks import (
     F32,
     Tiling,
     check_shapes,
@@ -34,7 +35,6 @@ from seqax.flash_blocks import (
     softmax_step,
     visible,
 )
-from seqax.roofline import stated_flops
 
 
 def _forward_kernel(ranges_ref, q_ref, k_ref, v_ref, q_pos_ref, q_doc_ref, k_pos_ref, k_doc_ref, o_ref, lse_ref, *,

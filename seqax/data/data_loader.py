@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from seqax.config import DatasetConfig, DatasetError
-from seqax.flat_tokens import FlatTokens
+from seqax.data.flat_tokens import FlatTokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ and jaxlib's private renderer has moved between releases. The text of `Compiled.
 public; hlo.py parses it.
 """
 
-from seqax.hlo import Computation, Instruction, entry, parse_hlo
+from seqax.analysis.hlo import Computation, Instruction, entry, parse_hlo
 
 COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "all-gather-start", "all-reduce-start", "collective-permute-start"}

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqax.config import ATTENTION_KERNELS
-from seqax.flash_attention import ring_flash_attention
 from seqax.jax_extra import save_in_forward_rule
+from seqax.kernels.flash_attention import ring_flash_attention
 from seqax.shardlib.bits import through_bits
 from seqax.shardlib.shardops import all_gather, axis_size, einsum_unreduced, ring_pass
 

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import re
 
-from seqax import hardware, hlo
+from seqax.analysis import hardware, hlo
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 # How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their

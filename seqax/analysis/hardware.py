@@ -75,7 +75,7 @@ def peak_flops() -> tuple[float | None, str]:
     per_device = peak_bf16_flops_per_device(device.device_kind)
     if per_device is None:
         warn(f"no peak bf16 FLOP/s known for device kind {device.device_kind!r}: MFU is logged as null; "
-             "add the device to seqax/hardware.py's PEAK_BF16_FLOPS")
+             "add the device to seqax/analysis/hardware.py's PEAK_BF16_FLOPS")
         return None, f"unknown ({device.device_kind})"
     return (per_device * jax.device_count(),
             f"{jax.device_count()} x {device.device_kind} at {per_device / 1e12:.0f} TFLOP/s")

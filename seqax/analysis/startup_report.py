@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from seqax import communication, hlo_graph, memory
+from seqax.analysis import communication, hlo_graph, memory
 from seqax.config import OutputError
 from seqax.console import warn
 

@@ -18,7 +18,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding, PartitionSpec
 
-from seqax import hlo
+from seqax.analysis import hlo
 from seqax.config import MODEL_DIMENSIONS, ConfigError
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing
 from seqax.shardlib.shardtypes import ArrayType, Stacked, make_partition_specs

@@ -14,8 +14,8 @@ bandwidth and ICI. Peak bf16 rates are hardware.py's table.
 import dataclasses
 import math
 
-from seqax import hardware
-from seqax.roofline import Rates
+from seqax.analysis import hardware
+from seqax.analysis.roofline import Rates
 
 GB = 1e9
 

@@ -27,9 +27,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from seqax.config import Config, ConfigError
-from seqax.data_loader import Batch, host_batch_to_devices, make_loader, zigzag_order
-from seqax.flat_tokens import FlatTokens
-from seqax.tokenizer import dataset_tokenizer
+from seqax.data.data_loader import Batch, host_batch_to_devices, make_loader, zigzag_order
+from seqax.data.flat_tokens import FlatTokens
+from seqax.data.tokenizer import dataset_tokenizer
 
 
 @dataclasses.dataclass
