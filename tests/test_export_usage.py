@@ -100,7 +100,7 @@ def test_logits_and_greedy_generate_match_seqax(exported):
 
     run_dir, data, hf_dir = exported
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)  # Llama, or Qwen3 (hf_class)
     run = runs.load_run_config(run_dir)
     mesh = make_mesh(4, 2)
     _, weights = runs.load_weights(run_dir, run, mesh, train.init_weights, train.Model)
