@@ -39,8 +39,10 @@ def check_rows(dataset: str, data_vocab: int, vocab: int, rows: int) -> np.ndarr
 
 def seqax_logits(h, weights: train.Model, mesh, inputs: np.ndarray) -> np.ndarray:
     """train.forward's logits [rows, LENGTH, V] of one document a row, in float32 (matmuls too), on
-    `mesh`, which holds `weights`. One attention block covers the row: blocks change speed, not the math."""
-    h = dataclasses.replace(h, matmul_dtype="float32", attention_block=inputs.shape[1])
+    `mesh`, which holds `weights`. Attention by the readable kernel, the specification that the fast ones are
+    tested against (a GPU's Pallas kernel would multiply float32 in TF32; on a CPU it runs only interpreted),
+    in one block a row: kernels and blocks change speed, not the math."""
+    h = dataclasses.replace(h, matmul_dtype="float32", attention_kernel="reference", attention_block=inputs.shape[1])
 
     @jax.jit
     @typed_shard_map
