@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 import train
-from seqax.config import ConfigError, DatasetError
+from seqax.config import ConfigError, DatasetError, ModelConfig
 from seqax.flat_tokens import open_flat_tokens
 from seqax.shardlib.shardtypes import bool_, f32, typed_shard_map, u32
 
@@ -37,17 +37,18 @@ def check_rows(dataset: str, data_vocab: int, vocab: int, rows: int) -> np.ndarr
     return inputs
 
 
-def seqax_logits(h, weights: train.Model, mesh, inputs: np.ndarray) -> np.ndarray:
+def seqax_logits(arch: ModelConfig, weights: train.Model, mesh, inputs: np.ndarray) -> np.ndarray:
     """train.forward's logits [rows, LENGTH, V] of one document a row, in float32 (matmuls too), on
     `mesh`, which holds `weights`. Attention by the readable kernel, the specification that the fast ones are
     tested against (a GPU's Pallas kernel would multiply float32 in TF32; on a CPU it runs only interpreted),
     in one block a row: kernels and blocks change speed, not the math."""
-    h = dataclasses.replace(h, matmul_dtype="float32", attention_kernel="reference", attention_block=inputs.shape[1])
+    arch = dataclasses.replace(arch, matmul_dtype="float32", attention_kernel="reference",
+                               attention_block=inputs.shape[1])
 
     @jax.jit
     @typed_shard_map
     def logits(w: train.Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> f32[b"B/d L/c V/t"]:
-        return train.forward(h, w, inputs, is_seq_start)[0]
+        return train.forward(arch, w, inputs, is_seq_start)[0]
 
     starts = np.zeros(inputs.shape, bool)
     starts[:, 0] = True
@@ -55,7 +56,7 @@ def seqax_logits(h, weights: train.Model, mesh, inputs: np.ndarray) -> np.ndarra
         return np.asarray(logits(weights, inputs, starts))
 
 
-def transformers_logits(directory: str, architecture: str, inputs: np.ndarray) -> np.ndarray:
+def transformers_logits(directory: str, class_name: str, inputs: np.ndarray) -> np.ndarray:
     """The logits [rows, LENGTH, V] of the exported model in `directory`, loaded by transformers in float32.
     A weight the class did not read or did not find stops the export (it would be dropped, or left at init)."""
     try:
@@ -72,7 +73,7 @@ def transformers_logits(directory: str, architecture: str, inputs: np.ndarray) -
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, info = getattr(transformers, architecture).from_pretrained(directory, dtype=torch.float32,
+            model, info = getattr(transformers, class_name).from_pretrained(directory, dtype=torch.float32,
                                                                              output_loading_info=True)
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -80,18 +81,18 @@ def transformers_logits(directory: str, architecture: str, inputs: np.ndarray) -
             transformers.logging.enable_progress_bar()
     unread = {kind: keys for kind, keys in info.items() if keys}
     if unread:
-        raise ConfigError(f"transformers' {architecture} does not load the exported weights as written: {unread}; "
+        raise ConfigError(f"transformers' {class_name} does not load the exported weights as written: {unread}; "
                           "tools/export_hf.py's hf_tensors and hf_config disagree with the class (fix them)")
     with torch.no_grad():
         return model(torch.from_numpy(inputs.astype(np.int64))).logits.numpy()
 
 
-def longest_sum(h, length: int) -> int:
+def longest_sum(arch: ModelConfig, length: int) -> int:
     """The most terms any single sum of the forward pass adds: a matmul's contraction or attention's keys."""
-    return max(h.d_model, h.d_ff, h.n_q_per_kv * h.n_kv * h.d_head, h.expert_d_ff, length)
+    return max(arch.d_model, arch.d_ff, arch.n_q_per_kv * arch.n_kv * arch.d_head, arch.expert_d_ff, length)
 
 
-def logits_bound(h, length: int, largest_logit: float) -> float:
+def logits_bound(arch: ModelConfig, length: int, largest_logit: float) -> float:
     """How far apart two float32 computations of the same logits may be. Both sides differ only in the
     order of their sums and in their exp, rsqrt and sigmoid (each within a few units of float32 rounding
     u = 2^-24). A sum of n terms added in another order moves by about sqrt(n) u of its size (rounding
@@ -102,21 +103,21 @@ def logits_bound(h, length: int, largest_logit: float) -> float:
     8 (layers + 1) sqrt(n) u |logit|, and we allow twice that: for the local models (2 layers, n <= 1024)
     1e-4 of the largest logit, where another function (an activation, a norm) moves logits by a good part
     of their size."""
-    return 16 * (h.layers + 1) * math.sqrt(longest_sum(h, length)) * UNIT_ROUNDOFF * largest_logit
+    return 16 * (arch.layers + 1) * math.sqrt(longest_sum(arch, length)) * UNIT_ROUNDOFF * largest_logit
 
 
-def check_logits(directory: str, architecture: str, h, weights: train.Model, mesh, dataset: str,
+def check_logits(directory: str, class_name: str, arch: ModelConfig, weights: train.Model, mesh, dataset: str,
                  data_vocab: int) -> str:
-    """One line saying how far the logits of the export in `directory` (transformers' `architecture`) are
+    """One line saying how far the logits of the export in `directory` (transformers' `class_name`) are
     from train.forward's with `weights` (on `mesh`), or a ConfigError naming where they disagree."""
-    inputs = check_rows(dataset, data_vocab, h.vocab, -(-ROWS // mesh.shape["d"]) * mesh.shape["d"])
-    theirs, ours = transformers_logits(directory, architecture, inputs), seqax_logits(h, weights, mesh, inputs)
+    inputs = check_rows(dataset, data_vocab, arch.vocab, -(-ROWS // mesh.shape["d"]) * mesh.shape["d"])
+    theirs, ours = transformers_logits(directory, class_name, inputs), seqax_logits(arch, weights, mesh, inputs)
     gap = np.abs(theirs.astype(np.float64) - ours)
-    bound = logits_bound(h, LENGTH, float(np.abs(ours).max()))
+    bound = logits_bound(arch, LENGTH, float(np.abs(ours).max()))
     row, position, token = np.unravel_index(np.argmax(gap), gap.shape)
     shape = f"{inputs.shape[0]} x {inputs.shape[1]} tokens (float32, bound {bound:.1e})"
     if not gap.max() <= bound:  # (a NaN on either side fails too)
-        raise ConfigError(f"the exported {architecture} computes other logits than train.forward: largest gap "
+        raise ConfigError(f"the exported {class_name} computes other logits than train.forward: largest gap "
                           f"{gap.max():.3g} (row {row}, position {position}, logit of id {token}) over {shape}; "
                           "train.py's model is not the one tools/export_hf.py writes (a changed activation, norm "
                           "or attention?): change train.py or the export; nothing was written")
