@@ -1,9 +1,17 @@
-"""tools/export_hf.py: transformers loads the exported checkpoint (a Llama, or a Glm4Moe with
-experts) with every weight used, its logits (torch, CPU, float32) match seqax's forward pass
-within bfloat16 rounding, and its tokenizer encodes to the ids the dataset holds. A mixture of
-experts that Glm4Moe cannot express is refused in one line."""
+"""tools/export_hf.py: transformers loads the exported checkpoint (a Llama, a Qwen3 with QK-norm's
+gains, or a Glm4Moe with experts) with every weight used, its logits (torch, CPU, float32) match
+seqax's forward pass within bfloat16 rounding, and its tokenizer encodes to the ids the dataset
+holds; its files are readable by all. The export checks its own logits (tools/export_check.py) and
+refuses, in one line and leaving nothing, a model it does not compute. A weight no class has a
+place for, and a mixture of experts that Glm4Moe cannot express, are refused in one line."""
 
+import contextlib
 import dataclasses
+import io
+import json
+import os
+import re
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +22,9 @@ from omegaconf import OmegaConf
 import train
 from fixtures import float32_config, forward_logits, make_mesh, perturbed_weights, prepared_dataset, tiny_config
 from seqax.checkpoint import Checkpointer
+from seqax.config import ConfigError
 from seqax.data.tokenizer import dataset_tokenizer
-from seqax.shardlib.shardtypes import make_shardings
+from seqax.shardlib.shardtypes import f32, make_shardings, pytree_dataclass
 from tools import export_hf
 
 TEXT = ("the quick brown fox jumps over the lazy dog. " * 20
@@ -50,15 +59,28 @@ def dataset(tmp_path_factory):
     return root, data
 
 
-def exported_run(root, name: str, cfg, weights) -> str:
-    """The export (its folder) of a run `name` whose checkpoint 3 holds `weights`."""
+def checkpointed_run(root, name: str, cfg, weights) -> str:
+    """A run directory `name` whose checkpoint 3 holds `weights`."""
     run_dir = root / name
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
     checkpointer = Checkpointer(str(run_dir / "checkpoints"), cfg.checkpoints)
     checkpointer.save(3, train.fresh_state(weights))
     checkpointer.close()
-    export_hf.main(["--run-dir", str(run_dir), "--output", str(root / f"{name}_hf")])
+    return str(run_dir)
+
+
+def exported_run(root, name: str, cfg, weights) -> str:
+    """The export (its folder) of a run `name` whose checkpoint 3 holds `weights`, written under umask 022;
+    it printed its logits check."""
+    run_dir, out, umask = checkpointed_run(root, name, cfg, weights), io.StringIO(), os.umask(0o022)
+    try:
+        with contextlib.redirect_stdout(out):
+            export_hf.main(["--run-dir", run_dir, "--output", str(root / f"{name}_hf")])
+    finally:
+        os.umask(umask)
+    check = out.getvalue().splitlines()[0]
+    assert re.fullmatch(r"logits check: largest gap \S+ over 4 x 32 tokens \(float32, bound \S+\)", check), check
     return str(root / f"{name}_hf")
 
 
@@ -121,8 +143,11 @@ def test_transformers_loads_every_weight_and_matches_seqax_logits(exported):
     import transformers
 
     cfg, weights, hf_dir, _ = exported
-    model, info = transformers.LlamaForCausalLM.from_pretrained(hf_dir, output_loading_info=True, dtype=torch.float32)
+    # A Llama, or the class that the layer's weights call for (hf_class: QK-norm's gains make it a Qwen3).
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True,
+                                                                    dtype=torch.float32)
     assert not any(info.values()), info  # missing, unexpected and mismatched keys, errors
+    assert type(model).__name__ == ("Qwen3ForCausalLM" if hasattr(weights.layers, "q_norm") else "LlamaForCausalLM")
     inputs = random_documents(cfg.model.vocab)
     assert_logits_agree(hf_logits(model, inputs), seqax_logits(cfg, weights, inputs))
 
@@ -174,3 +199,96 @@ def test_exported_tokenizer_encodes_to_the_dataset_ids(exported):
     assert tokenizer(text, add_special_tokens=False)["input_ids"] == expected
     assert tokenizer.decode(expected) == ours.decode(expected)
     assert tokenizer.convert_ids_to_tokens(0) == export_hf.BOS_TOKEN
+
+
+@pytest.mark.slow  # a dataset, a checkpoint and an export
+def test_exported_files_are_readable_by_all(exported):
+    """Under umask 022 every file is 0644, as any file written with open() (safetensors alone writes 0600)."""
+    hf_dir = exported[2]
+    modes = {name: stat.S_IMODE(os.stat(os.path.join(hf_dir, name)).st_mode) for name in os.listdir(hf_dir)}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+
+
+@pytest.mark.slow  # a dataset, a checkpoint, an export and torch
+@pytest.mark.parametrize("edit", ["squared_relu", "gate_and_up_swapped"])
+def test_a_model_the_export_does_not_compute_is_refused_in_one_line(dataset, tmp_path, capsys, monkeypatch, edit):
+    """train's SwiGLU made squared ReLU (x sigmoid(x) -> x relu(x) = relu(x)^2: the same weights, another
+    function), or the export's mapping wrong (layer 0's gate and up swapped: the same names and shapes): the
+    logits check refuses the export in one line, and the old output that --overwrite would replace stays."""
+    root, data = dataset
+    cfg = tiny_config("model.n_kv=2", f"dataset.path={data}")
+    run_dir = checkpointed_run(tmp_path, "run", cfg, perturbed_weights(cfg))
+    if edit == "squared_relu":
+        monkeypatch.setattr(jax.nn, "sigmoid", jax.nn.relu)
+    else:
+        tensors = export_hf.hf_tensors
+
+        def swapped(w, h):
+            out = tensors(w, h)
+            gate, up = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+            return out | {gate: out[up], up: out[gate]}
+
+        monkeypatch.setattr(export_hf, "hf_tensors", swapped)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit:
+        export_hf.main(["--run-dir", run_dir, "--output", str(tmp_path / "hf"), "--overwrite"])
+    assert exit.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.match(r"seqax: error: the exported \w+ForCausalLM computes other logits than "
+                                        "train.forward: largest gap ", lines[0]), lines
+    assert sorted(os.listdir(tmp_path)) == ["hf", "run"] and os.listdir(tmp_path / "hf") == ["config.json"]
+
+
+def with_layer_weights(h, **extra) -> train.Model:
+    """Initial weights (numpy) of model config `h` with the Layer weights `extra` (name: array [layers, ...]), as a
+    researcher's edit of train.Layer adds them (or replaces them, where train.Layer already has that name)."""
+    new = {name: f32[b"D"] for name in extra if name not in vars(train.Layer)["__dataclass_fields__"]}
+    extended = pytree_dataclass(type("Layer", (train.Layer,), {"__annotations__": new}))
+    w = jax.device_get(train.init_weights(h, jax.random.key(0)))
+    return train.Model(w.embed, extended(**{**vars(w.layers), **extra}), w.final_norm, w.unembed)
+
+
+@pytest.mark.slow  # torch
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3", "glm4_moe"])
+def test_qk_norm_gains_export_as_qwen3_or_glm4_moe_with_every_weight_used(tmp_path, moe):
+    """Layer gains q_norm and k_norm [layers, D] (QK-norm; train.py has none, so they are added here) make the
+    export write a Qwen3ForCausalLM (with experts a Glm4MoeForCausalLM with use_qk_norm), whose
+    self_attn.q_norm and k_norm hold them and which loads every weight. (The scratch QK-norm edit of train.py
+    ran this export end to end, the logits check included: docs/export.md.)"""
+    import torch
+    import transformers
+    from safetensors.numpy import save_file
+
+    h = tiny_config("model.n_kv=2", *(MOE if moe else ())).model
+    rng = np.random.default_rng(0)
+    gains = {name: (1 + 0.1 * rng.standard_normal((h.layers, h.d_head))).astype(np.float32)
+             for name in ("q_norm", "k_norm")}
+    w = with_layer_weights(h, **gains)
+    qk_norm = export_hf.check_weights(w, h)
+    config = export_hf.hf_config(h, 64, None, None, qk_norm)
+    architecture = "Glm4MoeForCausalLM" if moe else "Qwen3ForCausalLM"
+    assert qk_norm and config["architectures"] == [architecture] and config.get("use_qk_norm", moe) == moe
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(export_hf.hf_tensors(w, h), str(tmp_path / "model.safetensors"))
+    model, info = getattr(transformers, architecture).from_pretrained(tmp_path, output_loading_info=True,
+                                                                     dtype=torch.float32)
+    assert not any(info.values()), info
+    for name, gain in gains.items():
+        assert np.array_equal(getattr(model.model.layers[1].self_attn, name).weight.detach().numpy(), gain[1])
+
+
+@pytest.mark.parametrize("extra,line", [
+    ({"q_norm": np.ones((2, 2, 8, 8), np.float32), "k_norm": np.ones((2, 2, 8, 8), np.float32)},
+     "layers.k_norm has shape (2, 2, 8, 8); Qwen3's k_norm is one gain per head dimension, [layers, D] = (2, 8)"),
+    ({"attn_gain": np.ones((2, 8), np.float32)}, "has no place for: ['layers.attn_gain']"),
+    ({"q_norm": np.ones((2, 8), np.float32), "k_norm": np.ones((2, 8), np.float32),
+      "attn_gain": np.ones((2, 8), np.float32)}, "Qwen3 has no place for: ['layers.attn_gain']"),
+], ids=["per_head_gains", "another_weight", "another_weight_beside_qk_norm"])
+def test_a_weight_no_class_has_a_place_for_is_refused_in_one_line(extra, line):
+    """A model edit that adds a weight the class does not have stops the export with one line naming it,
+    instead of a checkpoint that silently lacks it."""
+    h = tiny_config("model.n_kv=2").model
+    with pytest.raises(ConfigError) as error:
+        export_hf.hf_tensors(with_layer_weights(h, **extra), h)
+    assert line in str(error.value) and "\n" not in str(error.value), str(error.value)

@@ -1,9 +1,10 @@
 """The export used the ordinary transformers way, end to end, on a run trained here on a dataset
 prepared with a tokenizer.json (trained in this process; no hub access): `tok(text)` gives the
 begin-of-document id 0 and the dataset's ids (not the tokenizer's own special tokens), the
-model's logits on them match train.forward within bfloat16 rounding, and greedy
+model's logits on them match train.forward's in float32 to float32 rounding, and greedy
 `model.generate(**tok(text, return_tensors="pt"))` picks sample.py's greedy tokens."""
 
+import dataclasses
 import json
 import os
 
@@ -13,20 +14,17 @@ import pytest
 
 import sample
 import train
-from fixtures import forward_logits, make_mesh, prepared_dataset, run_overrides, run_train, tiny_config
+from fixtures import forward_logits, make_mesh, prepared_dataset, run_overrides, run_train
 from seqax import runs
-from seqax.config import ConfigError
 from seqax.data.tokenizer import dataset_tokenizer
 from tools import export_hf
+from tools.export_check import logits_bound
 
 SENTENCES = ["the quick brown fox jumps over the lazy dog.", "pack my box with five dozen liquor jugs.",
              "sphinx of black quartz, judge my vow.", "how vexingly quick daft zebras jump!"]
 PARAGRAPHS = [" ".join(SENTENCES[(i + j) % 4] for j in range(3)) for i in range(40)]
 PROMPTS = ["the quick brown", "pack my box with five", "sphinx"]
 NEW_TOKENS = 8
-# As tests/test_export_hf.py: seqax multiplies bfloat16 operands, transformers float32; each logit
-# is off by about 2^-9 x sqrt(roundings on its path) x its scale. Trained logits are larger (~10).
-ATOL, RTOL = 5e-2, 2e-2
 
 pytestmark = pytest.mark.slow  # a tokenizer, a dataset, 40 training steps, an export and torch
 
@@ -101,11 +99,11 @@ def test_logits_and_greedy_generate_match_seqax(exported):
 
     run_dir, data, hf_dir = exported
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
-    model = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)  # Llama, or Qwen3 (hf_class)
     run = runs.load_run_config(run_dir)
     mesh = make_mesh(4, 2)
     _, weights = runs.load_weights(run_dir, run, mesh, train.init_weights, train.Model)
-    logits_of = forward_logits(run.model)
+    logits_of = forward_logits(dataclasses.replace(run.model, matmul_dtype="float32"))  # as the export's check
     largest = dataset_tokenizer(data).vocab_size - 1
     worst = 0.0
     for text in PROMPTS:
@@ -120,10 +118,10 @@ def test_logits_and_greedy_generate_match_seqax(exported):
         starts[:, 0] = True
         with jax.set_mesh(mesh):
             ours = np.asarray(logits_of(weights, rows, starts))[0, : len(ids)]
-        diff = np.abs(theirs - ours)
-        worst = max(worst, float((diff / (ATOL + RTOL * np.abs(ours))).max()))
-        print(f"{text!r}: max |logit difference| {diff.max():.3g}, max |logit| {np.abs(ours).max():.3g}")
-        assert np.all(diff <= ATOL + RTOL * np.abs(ours)), diff.max()
+        gap, bound = np.abs(theirs - ours).max(), logits_bound(run.model, rows.shape[1], np.abs(ours).max())
+        worst = max(worst, gap / bound)
+        print(f"{text!r}: max |logit difference| {gap:.3g}, max |logit| {np.abs(ours).max():.3g}")
+        assert gap <= bound, (gap, bound)
 
         generated = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)[0, len(ids) :].tolist()
         expected = sample.generate(run.model, weights, mesh, ids[1:], num_samples=1, max_new_tokens=NEW_TOKENS,
@@ -135,14 +133,3 @@ def test_logits_and_greedy_generate_match_seqax(exported):
         assert generated == expected
     print(f"worst difference / bound {worst:.3f}")
 
-
-def test_the_export_refuses_a_weight_llama_has_no_place_for():
-    """A model edit that adds a weight (QK-norm's q_norm, say) stops the export with one line
-    naming it, instead of a Llama checkpoint that silently lacks it."""
-    shapes = jax.eval_shape(lambda: train.init_weights(tiny_config().model, jax.random.key(0)))
-    named = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), shapes)
-    assert set(export_hf.hf_tensors(named, tiny_config().model)) >= {"lm_head.weight", "model.norm.weight"}
-    edited = {"embed": named.embed, "final_norm": named.final_norm, "unembed": named.unembed,
-              "layers": {**vars(named.layers), "q_norm": np.ones((2, 8), np.float32)}}
-    with pytest.raises(ConfigError, match=r"no place for: \['layers.q_norm'\]"):
-        export_hf.hf_tensors(edited, tiny_config().model)

@@ -1,6 +1,9 @@
 """A checkpoint as a Hugging Face model directory (config.json, model.safetensors and the
-dataset's tokenizer, whether a tokenizer.json or the bytes tokenizer): a Llama, or with experts a
-Glm4Moe, which `transformers.LlamaForCausalLM` (`Glm4MoeForCausalLM`) loads with every weight used.
+dataset's tokenizer, whether a tokenizer.json or the bytes tokenizer): a Llama, a Qwen3 when the
+layers have QK-norm's gains, or with experts a Glm4Moe, which `transformers.LlamaForCausalLM`
+(`Qwen3ForCausalLM`, `Glm4MoeForCausalLM`) loads with every weight used. Before the directory
+replaces anything, transformers runs it beside train.forward on a few rows (tools/export_check.py)
+and the export is refused unless their float32 logits agree to float32 rounding.
 
     python -m tools.export_hf --run-dir runs/RUN [--step N] --output hf_model/ [--overwrite]
 
@@ -9,7 +12,12 @@ layout (HF's `rotate_half` pairs dims i and i + D/2 with rate base^(-2i/D), as t
 final RMSNorm, untied unembedding. The weights map one to one, transposed to torch's
 [out, in] layout. Heads: HF's `repeat_kv` gives query head h the kv head h // Q, so seqax's query
 head (q, k) is HF head k * Q + q. Weights are written in float32, as trained; seqax runs its
-matmuls with bfloat16 operands, so logits agree to bfloat16 rounding, not exactly.
+matmuls with bfloat16 operands, so logits agree to bfloat16 rounding, not exactly (in float32, as
+the check runs them, to float32 rounding).
+
+QK-norm (Qwen3, OLMo 2, Gemma 3): Layer gains `q_norm` and `k_norm` of shape [layers, D], an RMSNorm
+over the head dimension of each query and key head after their projections and before RoPE, are
+Qwen3's `self_attn.q_norm` / `k_norm` (Glm4Moe's with use_qk_norm when there are experts).
 
 With experts (model.experts > 0) the class is Glm4Moe, whose router is train.experts_block':
 sigmoid scores, a bias per expert (e_score_correction_bias) added to choose the top k and not to
@@ -41,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import sys
 import uuid
 
@@ -53,17 +62,45 @@ from seqax.config import ConfigError, DatasetError, SeqaxError, TokenizerError
 from seqax.data.tokenizer import EOD_TOKEN, ByteTokenizer
 from seqax.outputs import check_output_apart
 from seqax.runs import load_run_config, load_weights, paths_read, run_mesh
+from tools.export_check import check_logits
 
 BOS_TOKEN = "<seqax_bos>"
 PAD_TOKEN = "<seqax_pad>"
 
 
-# The weights of train.Model that a Hugging Face Llama has a place for (hf_tensors maps each), and those that
-# a Glm4Moe has: Llama's (its MLP the shared expert) and the router and experts.
+# The weights of train.Model that each transformers class has a place for (hf_tensors maps each): a Llama's;
+# a Qwen3's, Llama's and QK-norm's gains; a Glm4Moe's, Llama's (its MLP the shared expert), the router and
+# experts, and QK-norm's gains where the model has them (use_qk_norm).
 LLAMA_WEIGHTS = {"embed", "final_norm", "unembed", "layers.attn_norm", "layers.w_q", "layers.w_k", "layers.w_v",
                  "layers.w_o", "layers.ffn_norm", "layers.w_gate", "layers.w_up", "layers.w_down"}
-GLM4_MOE_WEIGHTS = LLAMA_WEIGHTS | {"layers.router", "layers.expert_bias", "layers.expert_gate", "layers.expert_up",
-                                    "layers.expert_down"}
+QK_NORM_WEIGHTS = {"layers.q_norm", "layers.k_norm"}
+EXPERT_WEIGHTS = {"layers.router", "layers.expert_bias", "layers.expert_gate", "layers.expert_up",
+                  "layers.expert_down"}
+
+
+def hf_class(h, qk_norm: bool) -> str:
+    """The transformers class of a model with config `h`, with QK-norm's gains or not."""
+    return "Glm4MoeForCausalLM" if h.experts else "Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"
+
+
+def check_weights(w, h) -> bool:
+    """Whether train.Model numpy weights `w` have QK-norm's gains. A weight that the class has no place for
+    (a model edit other than QK-norm) stops the export: it would be dropped. An empty one (a dense model's
+    experts) holds nothing."""
+    shapes = {jax.tree_util.keystr(path, simple=True, separator="."): x.shape
+              for path, x in jax.tree_util.tree_flatten_with_path(w)[0] if x.size}
+    qk_norm = bool(shapes.keys() & QK_NORM_WEIGHTS)
+    known = LLAMA_WEIGHTS | (EXPERT_WEIGHTS if h.experts else set()) | (QK_NORM_WEIGHTS if qk_norm else set())
+    model = hf_class(h, qk_norm).removesuffix("ForCausalLM")
+    if shapes.keys() - known:
+        raise ConfigError(f"the model has weights that a Hugging Face {model} has no place for: "
+                          f"{sorted(shapes.keys() - known)}; tools/export_hf.py's hf_tensors would drop them, so it "
+                          "exports none (extend it for this model)")
+    for name in sorted(shapes.keys() & QK_NORM_WEIGHTS):
+        if shapes[name] != (h.layers, h.d_head):
+            raise ConfigError(f"{name} has shape {shapes[name]}; {model}'s {name.split('.')[-1]} is one gain per "
+                              f"head dimension, [layers, D] = {(h.layers, h.d_head)}, so this run cannot be exported")
+    return qk_norm
 
 
 def check_expressible(h):
@@ -78,16 +115,9 @@ def check_expressible(h):
 
 
 def hf_tensors(w, h) -> dict[str, np.ndarray]:
-    """HF parameter names -> float32 arrays, from train.Model numpy weights `w`: Llama's for a dense
-    model, Glm4Moe's with experts. A weight that the class has no place for (a model edit, such as
-    QK-norm) stops the export: it would be dropped. An empty one (a dense model's experts) holds nothing."""
-    names = {jax.tree_util.keystr(path, simple=True, separator=".")
-             for path, x in jax.tree_util.tree_flatten_with_path(w)[0] if x.size}
-    known, model = (GLM4_MOE_WEIGHTS, "Glm4Moe") if h.experts else (LLAMA_WEIGHTS, "Llama")
-    if names - known:
-        raise ConfigError(f"the model has weights that a Hugging Face {model} has no place for: "
-                          f"{sorted(names - known)}; tools/export_hf.py's hf_tensors would drop them, so it "
-                          "exports none (extend it for this model)")
+    """HF parameter names -> float32 arrays, from train.Model numpy weights `w`, for the class
+    hf_class names (check_weights stops the export at a weight it has no place for)."""
+    qk_norm = check_weights(w, h)
     M, Q, K, D = h.d_model, h.n_q_per_kv, h.n_kv, h.d_head
     out = {"model.embed_tokens.weight": w.embed, "model.norm.weight": w.final_norm, "lm_head.weight": w.unembed.T}
     layers = w.layers
@@ -107,6 +137,8 @@ def hf_tensors(w, h) -> dict[str, np.ndarray]:
             mlp + "up_proj.weight": layers.w_up[i].T,
             mlp + "down_proj.weight": layers.w_down[i].T,
         }
+        if qk_norm:  # one gain [D] shared by every head (Qwen3's and Glm4Moe's RMSNorm over head_dim)
+            out |= {p + "self_attn.q_norm.weight": layers.q_norm[i], p + "self_attn.k_norm.weight": layers.k_norm[i]}
         if h.experts:  # the router [E, M] and the bias that picks, not weighs (Glm4MoeTopkRouter)
             out[p + "mlp.gate.weight"] = layers.router[i].T
             out[p + "mlp.gate.e_score_correction_bias"] = layers.expert_bias[i]
@@ -125,7 +157,8 @@ def pad_id(data_vocab: int, model_vocab: int, eos_id: int | None) -> int | None:
     return data_vocab if data_vocab < model_vocab else eos_id
 
 
-def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None) -> dict:
+def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None, qk_norm: bool = False) -> dict:
+    """config.json of the class hf_class names."""
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": h.vocab, "hidden_size": h.d_model,
         "intermediate_size": h.d_ff, "num_hidden_layers": h.layers, "num_attention_heads": h.n_q_per_kv * h.n_kv,
@@ -135,16 +168,18 @@ def hf_config(h, max_positions: int, eos_id: int | None, pad: int | None = None)
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": eos_id, "pad_token_id": pad,
         "torch_dtype": "float32", "dtype": "float32",
     }
-    if not h.experts:
+    if hf_class(h, qk_norm) == "LlamaForCausalLM":
         return config
     del config["mlp_bias"]
+    if not h.experts:  # Qwen3: Llama's attention with q_norm and k_norm, every layer attending to all before it
+        return config | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False}
     # Glm4Moe's defaults that differ from our model, set back: RoPE on half of each head, no MoE in the first
     # layer, a multi-token prediction layer. Its router's groups do nothing with one group (n_group 1).
     return config | {
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "partial_rotary_factor": 1.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": h.rope_base, "partial_rotary_factor": 1.0},
-        "use_qk_norm": False, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
-        "n_experts_block": h.experts, "num_experts_per_tok": h.experts_per_token,
+        "use_qk_norm": qk_norm, "first_k_dense_replace": 0, "num_nextn_predict_layers": 0,
+        "n_routed_experts": h.experts, "num_experts_per_tok": h.experts_per_token,
         "moe_intermediate_size": h.expert_d_ff, "n_shared_experts": h.d_ff // h.expert_d_ff,
         "norm_topk_prob": True, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
     }
@@ -240,8 +275,9 @@ def shifted_tokenizer_json(text: str) -> dict:
 def export(run_dir: str, output: str, step: int | None = None, dataset: str | None = None,
            overwrite: bool = False) -> int:
     """Writes the HF model directory; returns the checkpoint step exported. Everything goes to
-    `<output>.tmp-<random>`, renamed into place when complete: an interrupted export leaves no
-    half-written output, and --overwrite replaces the old one whole (no stale files)."""
+    `<output>.tmp-<random>`, checked (export_check.check_logits) and renamed into place when complete:
+    an interrupted or refused export leaves no half-written output, and --overwrite replaces the old
+    one whole (no stale files)."""
     check_output_apart(output, paths_read(run_dir, dataset))
     if os.path.lexists(output) and not overwrite:
         raise ConfigError(f"--output {output!r} exists; pass --overwrite to replace it, or choose another --output")
@@ -255,8 +291,9 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
     if run.model.experts:
         check_expressible(run.model)
     mesh = run_mesh(run.model, train.Model, None, None)
-    step, weights = load_weights(run_dir, run, mesh, train.init_weights, train.Model, step)
-    weights = jax.device_get(weights)
+    step, on_mesh = load_weights(run_dir, run, mesh, train.init_weights, train.Model, step)
+    weights = jax.device_get(on_mesh)
+    qk_norm = check_weights(weights, run.model)
     dataset = dataset or run.dataset_path
     if not os.path.isdir(dataset):
         raise DatasetError(f"dataset {dataset!r} (for its tokenizer) does not exist; pass --dataset PATH")
@@ -272,8 +309,13 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         raise ConfigError(f"cannot write --output {output!r}: {e.strerror or e} ({e.filename or tmp}); "
                           "choose a writable place for --output") from None
     try:
-        save_file(hf_tensors(weights, run.model), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        write_json(os.path.join(tmp, "config.json"), hf_config(run.model, max(run.seq_len, 2048), eos, pad))
+        config = hf_config(run.model, max(run.seq_len, 2048), eos, pad, qk_norm)
+        write_json(os.path.join(tmp, "config.json"), config)
+        weights_file = os.path.join(tmp, "model.safetensors")
+        save_file(hf_tensors(weights, run.model), weights_file, metadata={"format": "pt"})
+        # safetensors writes its file 0600 (private); it gets the mode that open() gave config.json
+        # (0644 under the usual umask 022), so that whoever may read the export may read its weights.
+        os.chmod(weights_file, stat.S_IMODE(os.stat(os.path.join(tmp, "config.json")).st_mode))
         write_json(os.path.join(tmp, "generation_config.json"),
                    generation_config(data_vocab, run.model.vocab, eos, pad))
         if attrs.get("kind") in ("tokenizers", "bytes"):
@@ -285,13 +327,15 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
             with open(os.path.join(tmp, "tokenizer.json"), "w") as f:
                 json.dump(exported_tokenizer_json(text, pad, data_vocab), f, ensure_ascii=False)
             # The post-processor adds <seqax_bos>; add_bos_token False keeps transformers from adding another.
-            config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "add_bos_token": False,
-                      "add_eos_token": False, "model_max_length": run.seq_len}
+            tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN,
+                                "add_bos_token": False, "add_eos_token": False, "model_max_length": run.seq_len}
             if attrs.get("eos_token"):
-                config["eos_token"] = attrs["eos_token"]
+                tokenizer_config["eos_token"] = attrs["eos_token"]
             if pad is not None:
-                config["pad_token"] = PAD_TOKEN if pad == data_vocab else attrs.get("eos_token")
-            write_json(os.path.join(tmp, "tokenizer_config.json"), config)
+                tokenizer_config["pad_token"] = PAD_TOKEN if pad == data_vocab else attrs.get("eos_token")
+            write_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_config)
+        print(check_logits(tmp, config["architectures"][0], run.model, on_mesh, mesh, dataset, data_vocab),
+              flush=True)
         replace(tmp, output)
     except (OSError, SafetensorError) as e:  # a full disk, a quota (safetensors' I/O errors are its own kind)
         shutil.rmtree(tmp, ignore_errors=True)
