@@ -52,7 +52,7 @@ from seqax.grouped_swiglu import grouped_swiglu
 from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save_for_backward
 from seqax.memory import check_step_fits
 from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
-from seqax.records import RunRecords
+from seqax.records import RunRecords, resumed
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
 from seqax.shardlib.shardops import index_unreduced, inverse, psum, psum_scatter, ragged_all_to_all, take_unreduced
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
@@ -675,6 +675,10 @@ def train(cfg: Config, resolved_yaml: str):
         shapes = jax.eval_shape(lambda: init_state(cfg, mesh))
         restored = checkpointer.restore(shapes, make_shardings(State, mesh))
         start = restored[0] if restored else 0
+        due = [done for done in checkpointer.complete_steps()
+               if evaluation and is_due(cfg.eval_interval, done, cfg.training.steps)]
+        if restored and resumed(run_dir, checkpointer.step_dir(start), start, cfg.training.steps, due):
+            return restored[1]  # nothing to do: not even a compile
         records = opened.enter_context(RunRecords(
             run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len)))
         state = restored[1] if restored else init_state(cfg, mesh)
@@ -688,8 +692,7 @@ def train(cfg: Config, resolved_yaml: str):
         records.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
         wait_for_all_processes("first_step", cfg.distributed.initialization_timeout_seconds)  # process 0 wrote reports
         # An evaluation due at a committed checkpoint's step that a kill or a stop left undone runs now, once.
-        due = [done for done in checkpointer.complete_steps() if is_due(cfg.eval_interval, done, cfg.training.steps)]
-        for done in records.missing_evaluations(due) if evaluation else []:
+        for done in records.missing_evaluations(due):
             weights = state.weights if done == start else checkpointer.read(
                 done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)})["weights"]
             records.eval(done, evaluation, partial(eval_step, weights, cfg=cfg))
