@@ -260,8 +260,9 @@ class RunRecords:
                 if key != "step" and value is not None:
                     self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
         eta = _duration(float(np.mean(self.recent_step_times)) * (self.cfg.training.steps - step - 1))
+        load = f"  expert_load {values['expert_load']:.3g}" if self.moe else ""
         print(f"step {step:6d}/{self.cfg.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
-              f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
+              f"grad_norm {values['grad_norm']:.3g}{load}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
 
     def raise_peak(self, step: int, model_flops: float):

@@ -24,21 +24,23 @@ from seqax import config, hardware
 from seqax.records import RunRecords
 
 
-def fake_config(steps: int):
+def fake_config(steps: int, experts: int = 0):
     return types.SimpleNamespace(
         training=types.SimpleNamespace(steps=steps, tokens=types.SimpleNamespace(batch=4, len=8)),
         mesh=types.SimpleNamespace(d=1, t=1),
-        model=types.SimpleNamespace(experts=0),
+        model=types.SimpleNamespace(experts=experts),
         logging=config.LoggingConfig(wandb_project="", wandb_entity=""),
         profile_steps=0,
     )
 
 
-def log_steps(run_dir, start: int, losses: dict[int, float], steps: int = 6, flops_per_token: float = 1e6):
-    log = RunRecords(str(run_dir), "x: 1\n", fake_config(steps), start, flops_per_token)
+def log_steps(run_dir, start: int, losses: dict[int, float], steps: int = 6, flops_per_token: float = 1e6,
+              experts: int = 0):
+    log = RunRecords(str(run_dir), "x: 1\n", fake_config(steps, experts), start, flops_per_token)
     for step, loss in losses.items():
         log.before_step(step, None)
-        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5), jnp.float32(0.0)))
+        log.after_step(step, train.Metrics(jnp.float32(loss), jnp.float32(1e-3), jnp.float32(0.5),
+                                           jnp.float32(1.25 if experts else 0.0)))
     log.close()
 
 
@@ -65,6 +67,17 @@ def test_resume_drops_a_torn_last_metrics_line(tmp_path, monkeypatch):
     log_steps(tmp_path, 2, {2: 3.0})
     lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     assert [(l["step"], l["loss"]) for l in lines] == [(0, 1.0), (1, 2.0), (2, 3.0)]
+
+
+@pytest.mark.parametrize("experts", [0, 8])
+def test_expert_load_is_logged_for_a_mixture_of_experts_only(tmp_path, monkeypatch, capsys, experts):
+    """A dense run's expert_load is 0 by construction: it is neither in metrics.jsonl nor on the step line."""
+    monkeypatch.setattr(hardware, "peak_flops", lambda: (1e12, "test"))
+    log_steps(tmp_path, 0, {0: 1.0, 1: 0.5}, experts=experts)
+    lines = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    steps = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    assert [l.get("expert_load") for l in lines] == ([1.25, 1.25] if experts else [None, None])
+    assert all(("  expert_load 1.25  " in l) == bool(experts) for l in steps) and len(steps) == 2, steps
 
 
 def test_unknown_accelerator_gives_null_mfu_and_one_warning(tmp_path, monkeypatch, capsys):
