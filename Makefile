@@ -3,10 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 DEVICES := XLA_FLAGS=--xla_force_host_platform_device_count=8
 RUN ?= local_synthetic
-
 TEXT_RUN ?= local_text
+MOE_RUN ?= local_text_moe
+# More overrides for a train target's command, e.g. `make train ARGS="training.steps=200 mesh.d=8 mesh.t=1"`.
+ARGS ?=
 
-.PHONY: train train-text test test-fast lint clean compilers
+.PHONY: train train-text train-moe tools test test-fast lint clean compilers
 
 # The pinned packages, then this project (the `seqax` package, train.py and sample.py) in editable mode.
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -15,13 +17,23 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps -e .
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+# The evaluation and plotting tools (requirements-tools.txt: TensorBoard, matplotlib, transformers on torch,
+# lm-eval), which a run does not need: about 2 GB (torch is 0.75 of it), a few minutes.
+$(VENV)/.installed-tools: $(VENV)/.installed requirements-tools.txt
+	@echo "installing the evaluation and plotting tools (requirements-tools.txt) into $(VENV): about 2 GB, a few minutes"
+	$(VENV)/bin/pip install -q -r requirements-tools.txt
+	touch $@
+
+tools: $(VENV)/.installed-tools
+
+$(VENV)/.installed-dev: $(VENV)/.installed-tools requirements-dev.txt
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
 	touch $@
 
 # The GPU and TPU compilers (bench/compile_for.py), in a venv of their own: requirements-compilers.txt says why.
 COMPILERS := .venv-compilers
 $(COMPILERS)/.installed: requirements.txt requirements-compilers.txt pyproject.toml
+	@echo "installing the GPU and TPU compilers (requirements-compilers.txt) into $(COMPILERS): about 2 GB, a minute or two"
 	$(PYTHON) -m venv $(COMPILERS)
 	$(COMPILERS)/bin/pip install -q -r requirements-compilers.txt
 	$(COMPILERS)/bin/pip install -q --no-deps -e .
@@ -33,7 +45,7 @@ synthetic_dataset.zarr: $(VENV)/.installed
 	$(VENV)/bin/python -m tools.write_synthetic_dataset --output $@
 
 train: $(VENV)/.installed synthetic_dataset.zarr
-	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_synthetic +paths.model_name=$(RUN)
+	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_synthetic +paths.model_name=$(RUN) $(ARGS)
 
 # Real text that exists wherever Python does: the standard library's own source (no tests).
 text_dataset.zarr: $(VENV)/.installed
@@ -46,8 +58,13 @@ text_choices.jsonl: $(VENV)/.installed text_dataset.zarr
 
 train-text: $(VENV)/.installed text_dataset.zarr text_choices.jsonl
 	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_text +paths.model_name=$(TEXT_RUN) \
-		'evaluation.tasks=[text_choices.jsonl]'
+		'evaluation.tasks=[text_choices.jsonl]' $(ARGS)
 
+# The text as a mixture of experts (configs/local_test_text_moe.yaml): 8 experts split over mesh.d=4, so it
+# needs the 8 simulated devices too.
+train-moe: $(VENV)/.installed text_dataset.zarr text_choices.jsonl
+	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_text_moe +paths.model_name=$(MOE_RUN) \
+		'evaluation.tasks=[text_choices.jsonl]' $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

@@ -58,7 +58,7 @@ from seqax.kernels.attention import training_attention
 from seqax.kernels.grouped_swiglu import grouped_swiglu
 from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
 from seqax.muon_sharding import layer_matrices, matrix_shape, orthogonalized_here, padded_to_devices
-from seqax.records import RunRecords
+from seqax.records import RunRecords, resumed
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
 from seqax.shardlib.shardops import index_unreduced, inverse, pmax, pmean, psum, psum_scatter, ragged_all_to_all
 from seqax.shardlib.shardops import take_unreduced
@@ -616,6 +616,10 @@ def train(cfg: Config, resolved_yaml: str):
         shapes = jax.eval_shape(lambda: init_state(cfg, mesh))
         restored = checkpointer.restore(shapes, make_shardings(State, mesh))
         start = restored[0] if restored else 0
+        due = [done for done in checkpointer.complete_steps()
+               if evaluation and is_due(cfg.eval_interval, done, cfg.training.steps)]
+        if restored and resumed(run_dir, checkpointer.step_dir(start), start, cfg.training.steps, due):
+            return restored[1]  # nothing to do: not even a compile
         records = opened.enter_context(RunRecords(
             run_dir, resolved_yaml, cfg, start, model_flops_per_token(cfg.model, cfg.training.tokens.len)))
         state = restored[1] if restored else init_state(cfg, mesh)
@@ -629,8 +633,7 @@ def train(cfg: Config, resolved_yaml: str):
         records.print(evaluation.plan(cfg.eval_interval, cfg.training.steps) if evaluation else "no evaluation")
         wait_for_all_processes("first_step", cfg.distributed.initialization_timeout_seconds)  # process 0 wrote reports
         # An evaluation due at a committed checkpoint's step that a kill or a stop left undone runs now, once.
-        due = [done for done in checkpointer.complete_steps() if is_due(cfg.eval_interval, done, cfg.training.steps)]
-        for done in records.missing_evaluations(due) if evaluation else []:
+        for done in records.missing_evaluations(due):
             read = {"weights": state.weights} if done == start else checkpointer.read_or_warn(
                 done, {"weights": shapes.weights}, {"weights": make_shardings(Model, mesh)},
                 f"its evaluation is skipped (lost) and training goes on from checkpoint {start}")

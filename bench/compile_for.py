@@ -118,6 +118,9 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
     devices = cfg.mesh.d * cfg.mesh.t * cfg.mesh.c
     validate_config(cfg, devices, max_token_id=cfg.model.vocab - 1, weights=train.Model)
     mesh = make_mesh(cfg.mesh.d, cfg.mesh.t, cfg.mesh.c, devices=target_devices(target, devices))
+    # A large step compiles for minutes on a small CPU: say what is compiling before it starts.
+    print(f"compiling {config}'s training step for {devices} x {target.name} ({target.topology(devices)[0]}), "
+          f"mesh d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}...", flush=True)
     with jax.set_mesh(mesh):
         state = abstract_arrays(jax.eval_shape(lambda: train.init_state(cfg, mesh)), train.State, mesh)
         started = time.perf_counter()

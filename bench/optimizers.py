@@ -55,7 +55,8 @@ def run(config: str, optimizer: str, rate: float, adamw_rate: float, seed: int, 
         overrides = [f"--config-path={os.path.join(ROOT, 'configs')}", f"--config-name={config}",
                      f"+paths.model_name={name}", f"paths.root_working_dir={output}",
                      f"training.learning_rate={adamw_rate}", f"training.muon_learning_rate={rate}",
-                     f"training.seed={seed}", f"eval_interval={eval_every}", "eval_batches=8", "checkpoint_interval=0"]
+                     f"training.seed={seed}", f"training.steps={steps}", f"eval_interval={eval_every}",
+                     "eval_batches=8", "checkpoint_interval=0"]
         print(f"running {name}", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-c", CHILD, optimizer, *overrides], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)
@@ -79,8 +80,13 @@ def steps_to_reach(evals: list[tuple[int, float]], target: float) -> float | Non
     return None
 
 
+# The steps a config's rates were swept at where that is not its default: README's table is of 50 steps of
+# local_test_synthetic, whose default run now trains 200.
+SWEPT_STEPS = {"local_test_synthetic": 50}
+
+
 def steps_of(config: str) -> int:
-    return load_config(config, ["+paths.model_name=x"]).training.steps
+    return SWEPT_STEPS.get(config) or load_config(config, ["+paths.model_name=x"]).training.steps
 
 
 def compare(config: str, args) -> dict:

@@ -10,6 +10,7 @@ line naming the file (OutputError), where the loop is between steps and its chec
 whole; after that, nothing more is written. (The profile is optional: profiler.py warns instead.)
 """
 
+import array
 import collections
 import contextlib
 import datetime
@@ -25,7 +26,7 @@ import numpy as np
 import yaml
 from jax.experimental import multihost_utils
 
-from seqax import run_lock, wandb_log
+from seqax import optional, run_lock, wandb_log
 from seqax.analysis import hardware
 from seqax.config import DivergedError, OutputError
 from seqax.profiler import ProfileWindow, steps_to_profile
@@ -116,6 +117,38 @@ def parsed(line: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def missing_evaluations(metrics_path: str, steps: list[int]) -> list[int]:
+    """Those of `steps` (the same list on every process) whose evaluation line the run's metrics.jsonl
+    lacks: process 0 reads the file, and every process gets its answer."""
+    if jax.process_index() == 0:
+        evaluated = set()
+        if os.path.exists(metrics_path):
+            with open(metrics_path, errors="replace") as f:  # a line of bytes not UTF-8 is no JSON
+                evaluated = {line.get("step") for line in map(parsed, f) if "eval_time" in line}
+        missing = np.array([step not in evaluated for step in steps])
+    else:
+        missing = np.zeros(len(steps), bool)
+    if jax.process_count() > 1 and steps:
+        missing = multihost_utils.broadcast_one_to_all(missing)
+    return [step for step, m in zip(steps, missing) if m]
+
+
+def resumed(run_dir: str, checkpoint_dir: str, step: int, steps: int, evaluations_due: list[int]) -> bool:
+    """Says that the run resumes from checkpoint `step` (in `checkpoint_dir`), when it was written and
+    what is left of the run's `steps`; or, when nothing is left (no step, and every evaluation of
+    `evaluations_due` in metrics.jsonl), says so and returns True: the run stops before compiling."""
+    if step >= steps and not missing_evaluations(os.path.join(run_dir, "metrics.jsonl"), evaluations_due):
+        if jax.process_index() == 0:
+            print(f"run complete at step {step}: nothing to do (training.steps={steps})", flush=True)
+        return True
+    if jax.process_index() == 0:
+        written = os.path.getmtime(os.path.join(checkpoint_dir, "zarr.json"))  # the commit rewrites it
+        left = f"steps {step}-{steps - 1} to go" if step < steps else "its evaluation to finish"
+        print(f"resumed from checkpoint {step} (written {datetime.datetime.fromtimestamp(written):%Y-%m-%d %H:%M:%S}, "
+              f"{_duration(time.time() - written)} ago): {left}", flush=True)
+    return False
+
+
 class RunRecords:
     """Everything a run records besides checkpoints and start-up reports. `cfg` is the run's
     config.Config; the run starts (or resumes) at step `start`; a token costs `flops_per_token`
@@ -136,6 +169,8 @@ class RunRecords:
                                      steps_to_profile(start, cfg.training.steps, cfg.profile_steps) if self.writes
                                      else range(0))
         self.recent_step_times = collections.deque(maxlen=20)
+        self.step_times = array.array("d")  # every step's of this process start after its first (which warms up)
+        self.moe = cfg.model.experts > 0  # expert_load is logged for a mixture of experts only
         # A step's time runs from when it can start (its dispatch, or the end of the step before
         # if that is later) to when it ends (its scalars are read, or the profiler waited for it),
         # so host work between steps (evaluation, a checkpoint's copy, the profile) is not in it.
@@ -159,14 +194,16 @@ class RunRecords:
         # run that continued (metrics.jsonl keeps both lines).
         with self.writing(os.path.join(run_dir, "tensorboard")) as path:
             self.tensorboard = TensorBoardFile(path, start or None, f".step{start}.pid{os.getpid()}")
+            if not optional.installed("tensorboard"):
+                self.print(f"TensorBoard events in {path}; its viewer is not installed: {optional.INSTALL}")
         with self.writing(os.path.join(run_dir, wandb_log.RUN_ID_FILE)):
             self.wandb = (WandbLog(run_dir, cfg.logging, yaml.safe_load(resolved_yaml)) if cfg.logging.wandb_project
                           else None)
         self.peak, source = hardware.peak_flops()
         # On CPU the peak is measured, so it is only the best rate seen: a step faster than that raises it.
         self.peak_is_measured, self.announced_peak = jax.devices()[0].platform == "cpu", self.peak
-        self.print(f"peak bf16 FLOP/s for MFU: {source}: "
-                   + (f"{self.peak / 1e12:.4g} TFLOP/s" if self.peak else "unknown, MFU is null"))
+        self.print(f"MFU against {self.peak / 1e12:.3g} TFLOP/s: {source}" if self.peak
+                   else f"MFU is null: no peak FLOP/s known for {source}")
 
     def print(self, text: str):
         if self.writes:
@@ -186,17 +223,8 @@ class RunRecords:
                               "resume from the newest checkpoint") from None
 
     def missing_evaluations(self, steps: list[int]) -> list[int]:
-        """Those of `steps` (the same list on every process) whose evaluation line metrics.jsonl lacks:
-        process 0 reads the file, and every process gets its answer."""
-        if self.writes:
-            with open(self.metrics_file.name, errors="replace") as f:  # a line of bytes not UTF-8 is no JSON
-                evaluated = {line.get("step") for line in map(parsed, f) if "eval_time" in line}
-            missing = np.array([step not in evaluated for step in steps])
-        else:
-            missing = np.zeros(len(steps), bool)
-        if jax.process_count() > 1 and steps:
-            missing = multihost_utils.broadcast_one_to_all(missing)
-        return [step for step, m in zip(steps, missing) if m]
+        """Those of `steps` whose evaluation line metrics.jsonl lacks (missing_evaluations)."""
+        return missing_evaluations(os.path.join(self.run_dir, "metrics.jsonl"), steps)
 
     # --- the loop
 
@@ -222,16 +250,18 @@ class RunRecords:
 
     def write_step(self, step: int, metrics):
         """Reads the step's scalars (waiting for that step only) and writes its line."""
-        values = {k: float(v) for k, v in jax.device_get(vars(metrics)).items()}
+        values = {k: float(v) for k, v in jax.device_get(vars(metrics)).items() if self.moe or k != "expert_load"}
         end = self.finished.pop(step, time.perf_counter())
         step_time = max(end - max(self.last_end, self.dispatched.pop(step, end)), 1e-9)
-        self.last_end = end
+        first, self.last_end = not self.last_end, end
         if not self.writes or self.failed:
             stop_if_diverged(step, values)
             return
         if self.lock is not None:
             run_lock.check_in_place(self.run_dir, self.lock)
         self.recent_step_times.append(step_time)
+        if not first:
+            self.step_times.append(step_time)
         tokens_per_second = self.tokens_per_step / step_time
         model_flops = self.model_flops_per_token * tokens_per_second
         if self.peak_is_measured and self.peak and model_flops > self.peak:
@@ -244,8 +274,9 @@ class RunRecords:
                 if key != "step" and value is not None:
                     self.tensorboard.add_scalar(key if key in values else f"perf/{key}", value, step)
         eta = _duration(float(np.mean(self.recent_step_times)) * (self.cfg.training.steps - step - 1))
+        load = f"  expert_load {values['expert_load']:.3g}" if self.moe else ""
         print(f"step {step:6d}/{self.cfg.training.steps}  loss {values['loss']:.4f}  lr {values['learning_rate']:.3g}  "
-              f"grad_norm {values['grad_norm']:.3g}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
+              f"grad_norm {values['grad_norm']:.3g}{load}  {step_time * 1000:.0f} ms  {tokens_per_second:.0f} tok/s  "
               f"MFU {'n/a' if mfu is None else f'{mfu:.1%}'}  ETA {eta}", flush=True)
         stop_if_diverged(step, values)
 
@@ -254,10 +285,12 @@ class RunRecords:
         measurement): that rate is the peak from now on, so that MFU stays at most 100%. Said in a
         line when it has grown by more than a tenth since the last one said."""
         self.peak = model_flops
+        kept = hardware.keep_cpu_peak(model_flops / jax.process_count(),
+                                      f"fastest training step ({os.path.basename(self.run_dir)}, step {step})")
         if model_flops > 1.1 * self.announced_peak:
             print(f"MFU's peak raised to {model_flops / 1e12:.4g} TFLOP/s: step {step} ran the model's FLOPs "
                   f"faster than the {self.announced_peak / 1e12:.4g} measured before (the CPU was busier then); "
-                  "MFU is against the best rate seen", flush=True)
+                  f"MFU is against the best rate seen, {kept}", flush=True)
             self.announced_peak = model_flops
 
     def write_line(self, line: dict):
@@ -289,6 +322,17 @@ class RunRecords:
                  if self.recent_step_times else "")
         self.print(f"eval {step:6d}/{self.cfg.training.steps}  {shown}  ({metrics['eval_time']:.2f} s{steps})")
 
+    def print_summary(self):
+        """The line that compares runs: the median step after the first (which warms up) of this process
+        start, with its tokens/s and MFU, each step's line being as noisy as the machine is busy."""
+        if not self.step_times or self.failed:
+            return
+        median = float(np.median(self.step_times))
+        tokens_per_second = self.tokens_per_step / median
+        mfu = f"{self.model_flops_per_token * tokens_per_second / self.peak:.1%}" if self.peak else "n/a"
+        self.print(f"median of {len(self.step_times)} steps after the first: {median * 1000:.0f} ms, "
+                   f"{tokens_per_second:.0f} tok/s, MFU {mfu}")
+
     def close(self, quietly: bool = False):
         """Flushes and closes every record. A write that fails here is an OutputError, unless the
         run is already stopping for an error (`quietly`, or a write of these records failed): that
@@ -296,6 +340,8 @@ class RunRecords:
         unless_quiet = contextlib.suppress(OutputError) if quietly or self.failed else contextlib.nullcontext()
         with unless_quiet:
             self.flush()
+        if not quietly:
+            self.print_summary()
         self.profile.close()  # the run stopped inside the profiled steps
         for path, writer in ((getattr(self.tensorboard, "path", ""), self.tensorboard),
                              (getattr(self.metrics_file, "name", ""), self.metrics_file)):

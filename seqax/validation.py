@@ -48,7 +48,9 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
         shown, keys = ((f"mesh.d={d} x mesh.t={t}", "mesh.d and mesh.t") if c == 1
                        else (f"mesh.d={d} x mesh.t={t} x mesh.c={c}", "mesh.d, mesh.t and mesh.c"))
         raise ConfigError(f"{shown} = {d * t * c} must equal the {n_devices} devices; "
-                          f"choose {keys} whose product is {n_devices}")
+                          f"choose {keys} whose product is {n_devices}, or run on {d * t * c} devices: on a CPU, set "
+                          f"XLA_FLAGS=--xla_force_host_platform_device_count={d * t * c} (one process) or use "
+                          f"`python -m tools.launch_local --processes P --devices-per-process K` (P x K = {d * t * c})")
     for key, value in (("d_model", m.d_model), ("n_kv", m.n_kv), ("vocab", m.vocab)):
         if value <= 0:
             raise ConfigError(f"model.{key}={value} must be positive")

@@ -28,6 +28,10 @@ def compile_for(tmp_path, name: str, configs: list[str], targets: list[str], *ov
                "--json", str(rows), "--", *overrides]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    # each compile is announced before it starts (a large one takes minutes), its report after it
+    said = [line for line in result.stdout.splitlines() if line.startswith("compiling ")]
+    assert len(said) == len(configs) * len(targets) and result.stdout.startswith("compiling "), result.stdout
+    assert said[0].startswith(f"compiling {configs[0]}'s training step for "), said
     return json.loads(rows.read_text())
 
 

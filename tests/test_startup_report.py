@@ -3,6 +3,7 @@ drawing (without graphviz, and at the lowest priority)."""
 
 import math
 import os
+import re
 import shutil
 import types
 import xml.etree.ElementTree as ElementTree
@@ -109,12 +110,16 @@ def compiled_loop():
     return jax.jit(f).lower(jnp.ones((8, 8)), jnp.ones((4, 8))).compile()
 
 
-def test_missing_graphviz_is_a_warning(tmp_path, monkeypatch, capsys):
+def test_missing_graphviz_is_said_in_the_compile_line_not_warned(tmp_path, monkeypatch, capsys):
+    """graphviz is optional: without it the compile line says there is no .svg (was: a warning of two
+    lines on every run)."""
     monkeypatch.setattr(startup_report.shutil, "which", lambda name: None)
     report = StartupReport(str(tmp_path), report_config())
     report.compile(compiled_loop, train.model_flops_per_token, train.newton_schulz_flops)
     report.close()
-    assert "graphviz" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert not err and re.search(r"^compiled the training step in [\d.]+ s: .*/training_step.hlo.txt, .dot "
+                                 r"\(no .svg: graphviz is not installed\)$", out, re.M), out
     assert (tmp_path / "training_step.dot").exists() and not (tmp_path / "training_step.svg").exists()
 
 
@@ -129,3 +134,22 @@ def test_the_graph_is_drawn_at_the_lowest_priority(tmp_path):
     assert ElementTree.parse(tmp_path / "training_step.svg").getroot().tag.endswith("svg")
 
 
+
+
+def test_on_a_gpu_the_roofline_gives_the_mfu_ceiling(tmp_path, monkeypatch, capsys):
+    """On a device that targets.py knows (here an H200, as a GPU names itself), the compile is followed by
+    the roofline's step time and MFU ceiling of the compiled program; on a CPU, by nothing."""
+    report = StartupReport(str(tmp_path), report_config())
+    compiled = compiled_loop()
+    report.print_roofline(compiled, lambda h, seq_len: 1e9)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="gpu",
+                                                                          device_kind="NVIDIA H200 141GB HBM3e")])
+    report.print_roofline(compiled, lambda h, seq_len: 1e9)
+    line = capsys.readouterr().out
+    found = re.fullmatch(r"roofline of the compiled step on h200: ([\d.e-]+) ms a step, MFU ceiling ([\d.]+)% "
+                         r"\(docs/roofline.md\)\n", line)
+    assert found, line
+    tokens = 4 * 8  # report_config's batch
+    ceiling = 1e9 * tokens / jax.device_count() / (float(found.group(1)) / 1e3 * 989e12)
+    assert float(found.group(2)) == pytest.approx(100 * ceiling, rel=0.02)  # both rounded to 3 digits

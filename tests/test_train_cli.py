@@ -29,7 +29,7 @@ def test_local_test_synthetic_learns_in_50_steps(default_dataset, tmp_path):
     """On the dataset `make train` writes (the tool's defaults; tests/conftest.py). Without
     graphviz (fixtures.child_env): tests/test_startup_report.py checks the drawing, and drawing this
     step's graph outlasts the 30 s the run waits for it."""
-    result = run_train(train_args(tmp_path, default_dataset, "smoke"), graph=False)
+    result = run_train(train_args(tmp_path, default_dataset, "smoke", "training.steps=50"), graph=False)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(l) for l in open(tmp_path / "smoke" / "metrics.jsonl")]
     evals = [l for l in lines if "eval_loss" in l]
@@ -60,7 +60,11 @@ def assert_untouched(run_dir):
     "overrides,message",
     [
         (["training.tokens.batch=62"], r"training.tokens.batch=62 is not divisible by mesh.d=4"),
-        (["mesh.d=4", "mesh.t=4"], r"mesh.d=4 x mesh.t=4 = 16 must equal the 8 devices"),
+        (["mesh.d=4", "mesh.t=4"], r"mesh.d=4 x mesh.t=4 = 16 must equal the 8 devices; choose mesh.d and mesh.t "
+                                   r"whose product is 8, or run on 16 devices: on a CPU, set "
+                                   r"XLA_FLAGS=--xla_force_host_platform_device_count=16 \(one process\) or use "
+                                   r"`python -m tools.launch_local --processes P --devices-per-process K` "
+                                   r"\(P x K = 16\)"),
         (["model.vocab=64"],
          r"model.vocab=64 is too small for the dataset's max_token_id \d+; set model.vocab to at least \d+"),
         (["model.n_kv=3"], r"model.n_kv=3 is not divisible by mesh.t=2"),

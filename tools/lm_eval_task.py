@@ -17,6 +17,9 @@ import os
 
 import yaml
 
+from seqax.console import warn
+from seqax.optional import INSTALL, installed
+
 
 def task_config(path: str) -> dict:
     return {
@@ -47,6 +50,8 @@ def main(argv=None):
         with open(target, "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         print(f"wrote {target}: lm_eval task {config['task']!r} over {os.path.abspath(path)}")
+    if not installed("lm_eval"):
+        warn(f"lm-evaluation-harness (`lm_eval`), which reads these tasks, is not installed: {INSTALL}")
 
 
 if __name__ == "__main__":

@@ -5,20 +5,18 @@ multiple-choice task the runs evaluated (acc solid, acc_norm dashed; evaluation.
     .venv/bin/python -m tools.plot_metrics runs/a [runs/b ...] [--output plot.png]
 
 A step logged twice (re-run after a crash, docs/design.md) is plotted with its last value. Needs
-matplotlib (requirements-dev.txt).
+matplotlib (`make tools`).
 """
 
 import argparse
+import importlib
 import json
 import os
+import sys
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from seqax.config import ConfigError  # noqa: E402
-from seqax.outputs import check_output_apart  # noqa: E402
+from seqax.config import SeqaxError
+from seqax.optional import require
+from seqax.outputs import check_output_apart
 
 PANELS = [("loss", "loss"), ("learning_rate", "learning rate"), ("grad_norm", "grad norm"),
           ("tokens_per_second", "tokens/s")]
@@ -38,7 +36,13 @@ def read_metrics(run_dir: str) -> dict[str, dict[int, float]]:
     return series
 
 
+def pyplot():
+    require("matplotlib", "tools.plot_metrics").use("Agg")  # files only, no display
+    return importlib.import_module("matplotlib.pyplot")
+
+
 def plot(run_dirs: list[str], output: str):
+    plt = pyplot()
     fig, grid = plt.subplots(2, 3, figsize=(18, 8), constrained_layout=True)
     axes, accuracy = grid.flat[[0, 1, 3, 4]], grid.flat[2]
     grid.flat[5].set_visible(False)
@@ -82,9 +86,10 @@ def main(argv=None):
     output = args.output or os.path.join(args.run_dirs[0], "metrics.png")
     try:
         check_output_apart(output, [(f"the metrics {m!r}", m) for m in metrics])
-    except ConfigError as e:
-        parser.error(str(e))
-    plot(args.run_dirs, output)
+        plot(args.run_dirs, output)
+    except SeqaxError as e:
+        print(f"seqax: error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {output}")
 
 

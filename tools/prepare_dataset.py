@@ -52,6 +52,7 @@ import numpy as np
 from seqax.config import DatasetError, SeqaxError
 from seqax.data.flat_tokens import FlatTokensWriter
 from seqax.data.tokenizer import from_spec, load_tokenizer
+from seqax.optional import require
 from seqax.outputs import check_output_apart
 
 BATCH_CHARS = 1 << 20  # text sent to a worker at a time
@@ -113,11 +114,8 @@ def _file_documents(path: str, txt_documents: str, text_field: str) -> Iterator[
                                            "(choose one with --text-field)")
                     yield record[text_field]
     elif path.endswith(".parquet"):
-        try:
-            import pyarrow.parquet
-        except ImportError:
-            raise DatasetError("reading .parquet needs `pyarrow`: "
-                               ".venv/bin/pip install -r requirements-dev.txt") from None
+        require("pyarrow", "tools.prepare_dataset on a .parquet file")
+        import pyarrow.parquet
         try:
             table = pyarrow.parquet.ParquetFile(path)
             if text_field not in table.schema_arrow.names:
@@ -134,11 +132,7 @@ def _file_documents(path: str, txt_documents: str, text_field: str) -> Iterator[
 
 
 def hf_documents(args) -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise DatasetError("--hf-dataset needs the `datasets` package: "
-                           ".venv/bin/pip install -r requirements-dev.txt") from None
+    datasets = require("datasets", "tools.prepare_dataset --hf-dataset")
     data_files = args.hf_data_files or None
     stream = datasets.load_dataset(args.hf_dataset, args.hf_config, split=args.hf_split, streaming=True,
                                    data_files=data_files)

@@ -1,9 +1,11 @@
 """What a run reports at start-up, once its training step is compiled and before it runs: the compile
 time; the model's FLOPs against XLA's count; the optimized HLO (training_step.hlo.txt) and its
 graph (training_step.dot and .svg, drawn by graphviz in the background); the memory report
-(memory_report.txt, memory.py) and the communication report (communication_report.txt,
-communication.py). Only process 0 prints and writes. A report that cannot be written (a full
-disk, no permission) stops the run before its first step with one line naming the file; the
+(memory_report.txt, memory.py); the communication report (communication_report.txt,
+communication.py); on a GPU or TPU that seqax/analysis/targets.py knows, the roofline of the compiled step
+(roofline.py). The reports go to files; the console gets a line of each, so that everything before
+the first step fits a screen. Only process 0 prints and writes. A report that cannot be written (a
+full disk, no permission) stops the run before its first step with one line naming the file; the
 graph is optional: it warns instead.
 """
 
@@ -15,9 +17,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from seqax.analysis import communication, hlo_graph, memory
+from seqax.analysis import communication, hlo_graph, memory, roofline
+from seqax.analysis.targets import target_for
 from seqax.config import OutputError
-from seqax.console import warn
+from seqax.console import first_line, warn
 
 DOT_WAIT_SECONDS = 30  # how long the end of a run waits for graphviz, which started at compile time
 
@@ -54,12 +57,38 @@ def flops_check(compiled, cfg, flops_per_token, optimizer_flops) -> str:
     seq_len, tokens_per_step = cfg.training.tokens.len, cfg.training.tokens.batch * cfg.training.tokens.len
     formula = flops_per_token(cfg.model, seq_len) * tokens_per_step
     optimizer, busiest = optimizer_flops(cfg.model, devices)
-    line = (f"FLOPs per step: model {formula / 1e9:.4g} GFLOP; optimizer (Newton-Schulz) {optimizer / 1e9:.4g} GFLOP "
-            f"= {optimizer / formula:.1%} of the model's, {busiest / 1e9:.4g} on the busiest of {devices} devices")
+    line = (f"FLOPs per step: model {formula / 1e9:.4g} G, Newton-Schulz {optimizer / 1e9:.4g} G "
+            f"({optimizer / formula:.1%}; {busiest / 1e9:.4g} G on the busiest of {devices} devices)")
     if not xla:
-        return line + "; XLA gives no cost analysis on this backend"
-    ratio = xla / (formula + busiest * devices)
-    return line + f"; XLA cost_analysis {xla / 1e9:.4g} GFLOP = {ratio:.3f} x model + optimizer"
+        return line + "; XLA gives no count on this backend"
+    return line + f"; XLA counts {xla / (formula + busiest * devices):.3f} x theirs"
+
+
+def size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def device_memory(device) -> tuple[int, int]:
+    """(bytes, devices sharing them) of a device's memory: an accelerator's own, or the host's that
+    its CPU devices share."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"], 1
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemTotal"].split()[0]) * 1024, len(jax.local_devices())
+
+
+def memory_line(planned: float, estimate: float, device) -> str:
+    """The memory report's line: XLA's plan per device (`planned`, nan where it has none) and the estimate
+    from the code, against the device's memory."""
+    if planned != planned:
+        return f"memory per device: {size(estimate)} estimated from the code (XLA gives no plan): memory_report.txt"
+    limit, sharing = device_memory(device)
+    of = (f"of {size(limit)} ({planned / limit:.0%})" if sharing == 1 else
+          f"x {sharing} devices of the host's {size(limit)} ({planned * sharing / limit:.1%})")
+    return (f"memory per device: {size(planned)} as XLA plans it ({size(estimate)} estimated from the code) {of}: "
+            "memory_report.txt")
 
 
 class StartupReport:
@@ -86,34 +115,36 @@ class StartupReport:
                                   "free space (or fix the permission) and run the same command again") from None
 
     def compile(self, lower_and_compile, flops_per_token, optimizer_flops):
-        """Runs `lower_and_compile()` (returns a jax Compiled), prints the compile time and the FLOPs
-        check (see flops_check for the two counts), and writes the optimized HLO with its graph."""
+        """Runs `lower_and_compile()` (returns a jax Compiled), writes the optimized HLO with its graph,
+        and prints the compile time, the FLOPs check (see flops_check for the two counts) and, where
+        a roofline exists, its MFU ceiling."""
         started = time.perf_counter()
         compiled = lower_and_compile()
-        self.print(f"compiled the training step in {time.perf_counter() - started:.1f} s")
+        seconds = time.perf_counter() - started
+        written = self._write_hlo(compiled.as_text()) if self.writes else ""
+        self.print(f"compiled the training step in {seconds:.1f} s: {os.path.join(self.run_dir, 'training_step')}"
+                   f".hlo.txt{written}")
         self.print(flops_check(compiled, self.cfg, flops_per_token, optimizer_flops))
-        if self.writes:
-            self._write_hlo(compiled.as_text())
+        self.print_roofline(compiled, flops_per_token)
         return compiled
 
-    def _write_hlo(self, hlo_text: str):
+    def _write_hlo(self, hlo_text: str) -> str:
+        """Writes the HLO and its graph; returns what of the graph is written, as the files' suffixes."""
         path = lambda suffix: os.path.join(self.run_dir, f"training_step.{suffix}")  # noqa: E731
         self.write("training_step.hlo.txt", hlo_text)
         try:
             graph = hlo_graph.to_dot(hlo_text, "training_step")
         except Exception as e:  # a picture must not stop a run, e.g. if a new XLA prints HLO differently
             warn(f"could not draw the HLO graph of training_step.hlo.txt: {e!r}")
-            return
+            return ""
         try:
             with open(path("dot"), "w") as f:
                 f.write(graph)
         except OSError as e:
             warn(f"could not write {path('dot')}: {e.strerror or e}; there is no graph of the step (it is optional)")
-            return
-        if shutil.which("dot") is None:
-            warn("graphviz's `dot` is not installed, so there is no training_step.svg (training_step.dot is written); "
-                 "install it with `apt-get install graphviz` (Debian/Ubuntu) or `brew install graphviz`")
-            return
+            return ""
+        if shutil.which("dot") is None:  # optional: said in the line, not warned about on every run
+            return ", .dot (no .svg: graphviz is not installed)"
         # Rendered in the background at the lowest priority, so that it takes no CPU from the
         # steps (on a 2-core machine it held one core for 15-30 s of the first steps); close()
         # waits for it, when the steps no longer need the CPU.
@@ -123,6 +154,24 @@ class StartupReport:
             os.setpriority(os.PRIO_PROCESS, self.dot_process.pid, 19)
         except ProcessLookupError:  # it has already finished
             pass
+        return ", .dot, .svg (drawn in the background)"
+
+    def print_roofline(self, compiled, flops_per_token):
+        """On a GPU or TPU that targets.py knows: the roofline's step time and MFU ceiling for the
+        compiled step (roofline.py, docs/roofline.md), what its MFU reaches at best."""
+        device = jax.devices()[0]
+        target = target_for(device.device_kind) if device.platform != "cpu" else None
+        if not self.writes or target is None:
+            return
+        try:
+            seconds = roofline.roofline(compiled.as_text(), target.rates()).step_seconds
+        except Exception as e:  # a model that cannot read this program must not stop a run
+            warn(f"no roofline of the compiled step: {first_line(e)}")
+            return
+        tokens = self.cfg.training.tokens.batch * self.cfg.training.tokens.len
+        model_flops = flops_per_token(self.cfg.model, self.cfg.training.tokens.len) * tokens / jax.device_count()
+        self.print(f"roofline of the compiled step on {target.name}: {seconds * 1e3:.3g} ms a step, MFU ceiling "
+                   f"{model_flops / (seconds * target.peak_flops):.1%} (docs/roofline.md)")
 
     def mesh_title(self) -> str:
         """The reports' title: the mesh and the devices."""
@@ -130,18 +179,18 @@ class StartupReport:
                 f"{jax.device_count()} x {jax.devices()[0].device_kind}")
 
     def memory_report(self, compiled, state, mesh, layer, forward, muon: dict):
-        """Prints the memory report and writes memory_report.txt (memory.py; see
+        """Writes memory_report.txt and prints its line (memory.py; see
         memory.memory_annotations for `layer` and `forward`, memory.memory_estimate for `muon`)."""
         if not self.writes:
             return
         layer_memory = memory.memory_annotations(self.cfg, mesh, state, layer, forward)
-        text, _, _ = memory.memory_report(compiled, state, layer_memory, muon, self.mesh_title())
-        self.print(text.rstrip())
+        text, estimate, planned = memory.memory_report(compiled, state, layer_memory, muon, self.mesh_title())
         self.write("memory_report.txt", text)
+        self.print(memory_line(planned, estimate, jax.local_devices()[0]))
 
     def communication_report(self, compiled):
-        """Prints the communication report and writes communication_report.txt: what the compiled
-        step's collectives send (communication.py)."""
+        """Writes communication_report.txt, what the compiled step's collectives send (communication.py),
+        and prints its line."""
         if not self.writes:
             return
         try:
@@ -149,9 +198,9 @@ class StartupReport:
         except ValueError as e:  # a report must not stop a run, e.g. if a new XLA prints HLO differently
             warn(f"no communication report: {e}")
             return
-        text = communication.report(self.mesh_title(), collectives)
-        self.print(text.rstrip())
-        self.write("communication_report.txt", text)
+        self.write("communication_report.txt", communication.report(self.mesh_title(), collectives))
+        self.print(f"communication per device per step: {size(sum(communication.totals(collectives).values()))} in "
+                   f"{sum(c.runs for c in collectives)} collectives: communication_report.txt")
 
     def close(self):
         """Waits (up to DOT_WAIT_SECONDS) for graphviz to finish training_step.svg."""
