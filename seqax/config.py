@@ -255,10 +255,29 @@ def config_from_dict(cls, values, where: str = ""):
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
+def defaulted_keys(cls=None, where: str = "") -> set[str]:
+    """The dotted keys of Config (or the dataclass `cls`) that have a default, nested ones included."""
+    keys = set()
+    for f in dataclasses.fields(cls or Config):
+        kind = typing.get_type_hints(cls or Config)[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys |= defaulted_keys(kind, f"{where}{f.name}.")
+        elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+            keys.add(where + f.name)
+    return keys
+
+
+def addable(overrides: list[str]) -> list[str]:
+    """`overrides` with each plain `key=value` of a key that has a default written `++key=value` (set it,
+    whether or not the YAML has it): a documented key needs no `+` in a config written before it existed."""
+    keys = defaulted_keys()
+    return [f"++{o}" if o.split("=", 1)[0] in keys and not o.startswith(("+", "~", "-")) else o for o in overrides]
+
+
 def load_config(name: str, overrides: list[str]) -> Config:
     """configs/<name>.yaml with command-line style overrides, as `python -m train` sees it."""
     try:
-        cfg = compose(name, overrides, CONFIGS)
+        cfg = compose(name, addable(overrides), CONFIGS)
         return config_from_dict(Config, OmegaConf.to_container(cfg, resolve=True))
     except (HydraException, OmegaConfBaseException) as e:
         raise hydra_error(e, name, CONFIGS) from None
@@ -278,7 +297,7 @@ def run_hydra(task):
     config and the nearest valid one, where hydra would print several lines of its own and exit 1."""
     # Hydra reads a relative --config-path from the directory of the file that calls hydra.main: this
     # one, where it was train.py's, the repository root. Made absolute from there, it keeps that meaning.
-    argv = rooted_config_path(sys.argv[1:], os.path.dirname(CONFIGS))
+    argv = addable(rooted_config_path(sys.argv[1:], os.path.dirname(CONFIGS)))
     name, config_dir = flag(argv, "--config-name", "-cn"), flag(argv, "--config-path", "-cp") or CONFIGS
 
     failed = []

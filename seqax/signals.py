@@ -61,15 +61,22 @@ class PreemptionWatch:
 
         self.processes, self.signature = jax.process_count(), process_signature(jax.process_index())
         self.requested, self.interrupts = False, 0
-        self.previous = {}
+        self.previous, self.delivered, self.previous_wakeup = {}, None, -1
         if threading.current_thread() is threading.main_thread():
             watched = STOPPING if self.processes == 1 else [signal.SIGINT]
             self.previous = {signum: signal.signal(signum, self._on_signal) for signum in watched}
+            # Python runs a handler once for signals that arrive together (two Ctrl-C while the main thread is
+            # in a device call); the wakeup fd gets a byte for every signal delivered, so each one is counted.
+            self.delivered, written = os.pipe()
+            for fd in (self.delivered, written):
+                os.set_blocking(fd, False)
+            self.written = written
+            self.previous_wakeup = signal.set_wakeup_fd(written, warn_on_full_buffer=False)
         return self
 
     def _on_signal(self, signum, frame):
         if signum == signal.SIGINT:
-            self.interrupts += 1
+            self.interrupts += max(1, self._delivered(signum))
             if self.interrupts > 1:
                 stop_now(self.signature, "stopped by a second Ctrl-C (SIGINT), without saving the steps since the "
                          "newest checkpoint; a restart resumes from it", signum)
@@ -89,8 +96,19 @@ class PreemptionWatch:
         """Why the loop stops, for its line."""
         return "stopped by Ctrl-C (a second one stops at once, without saving)" if self.interrupts else "preempted"
 
+    def _delivered(self, signum: int) -> int:
+        """How many `signum` signals the wakeup fd has recorded since it was last read (0 where none is set)."""
+        try:
+            return os.read(self.delivered, 4096).count(bytes([signum])) if self.delivered is not None else 0
+        except BlockingIOError:
+            return 0
+
     def __exit__(self, *exc):
         global _loop_ended
         _loop_ended = True
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+        if self.delivered is not None:
+            signal.set_wakeup_fd(self.previous_wakeup)
+            os.close(self.delivered)
+            os.close(self.written)

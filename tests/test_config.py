@@ -57,3 +57,13 @@ def test_hydras_errors_are_config_errors(name, overrides, message):
     """What config.load_config (the benchmarks' loader) raises where hydra's composition fails."""
     with pytest.raises(ConfigError, match=message):
         load_config(name, ["+paths.model_name=x", *overrides])
+
+
+def test_a_key_with_a_default_is_set_without_a_plus_whether_or_not_the_yaml_has_it():
+    """training.expert_bias_rate is in no YAML (its default is the dataclass's): `key=value` sets it as a key the
+    YAML has is set, and `+key=value` still works; a key the YAML has is overridden as before."""
+    plain = load_config("local_test_synthetic", ["+paths.model_name=x", "training.expert_bias_rate=0.5",
+                                                 "model.attention_kernel=reference", "+training.expert_balance_loss=0.1"])
+    assert plain.training.expert_bias_rate == 0.5 and plain.training.expert_balance_loss == 0.1
+    assert plain.model.attention_kernel == "reference"
+    assert load_config("local_test_synthetic", ["+paths.model_name=x"]).training.expert_bias_rate == 0.001

@@ -11,9 +11,11 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from fixtures import ROOT, TINY, start_train, synthetic_dataset, tiny_overrides, train_args
+from seqax import signals
 from tools.launch_local import free_port, process_env
 
 
@@ -148,3 +150,29 @@ def test_ctrl_c_to_every_process_of_a_run_saves_on_each_and_exits_0(tmp_path, da
         assert ours == [f"{sign}: stopped by Ctrl-C (a second one stops at once, without saving): checkpoint {done} "
                         "is being written; exiting"], run.err
     assert committed(tmp_path / "run") == [done]
+
+
+def test_two_ctrl_c_that_python_handles_as_one_still_stop_the_run(monkeypatch):
+    """Two Ctrl-C that arrive while the main thread is inside one call (a step on the device) get one call of
+    Python's handler; they are two presses all the same, and the second stops the run. Here the call is a
+    large matmul in NumPy (measured to outlast both presses) and the presses come from another thread."""
+    stopped = []
+    monkeypatch.setattr(signals, "stop_now", lambda signature, line, signum: stopped.append((line, signum)))
+    a = np.ones((3000, 3000))
+
+    def press_twice():
+        time.sleep(0.02)  # the main thread is inside the matmul by now
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    with signals.PreemptionWatch() as watch:
+        presser = threading.Thread(target=press_twice)
+        started = time.monotonic()
+        presser.start()
+        a @ a  # noqa: B018 (one C call: no Python handler runs until it returns)
+        inside = time.monotonic() - started
+        presser.join()
+    assert inside > 0.1, f"the matmul took {inside:.3f} s, less than the presses' 0.07 s: use a larger one"
+    assert watch.interrupts == 2 and len(stopped) == 1, (watch.interrupts, stopped)
+    assert "second Ctrl-C" in stopped[0][0] and stopped[0][1] == signal.SIGINT
