@@ -659,6 +659,10 @@ def train(cfg: Config, resolved_yaml: str):
                 records.eval(done, evaluation, partial(eval_step, state.weights, cfg=cfg))
             if preempted:
                 break
+        else:  # a signal during the last evaluation: nothing is left to save
+            if preemption.requested:
+                print(f"{console_name()}: {preemption.why()} during the last evaluation: the run is complete at step "
+                      f"{cfg.training.steps} (its checkpoint committed)", file=sys.stderr, flush=True)
     return state
 
 

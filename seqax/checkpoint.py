@@ -451,7 +451,11 @@ class Checkpointer:
                     os.rename(self.step_dir(s), aside)
                     warn(f"checkpoint {self.step_dir(s)} is damaged ({damaged[s]}); "
                          f"falling back to the previous one; it is kept as {aside}")
-            self._delete([s for s in newer if s not in damaged])
+            uncommitted = [s for s in newer if s not in damaged]
+            for s in uncommitted:  # said, since the user may have expected it (a save that a kill cut short)
+                print(f"seqax: checkpoint {self.step_dir(s)} was never committed (write_completed is not true: its "
+                      f"save was cut short): deleted; training goes on from step {max(step, 0)}", flush=True)
+            self._delete(uncommitted)
         _barrier(f"seqax_checkpoint_discard_{step}")
 
     def read(self, step: int, shapes, shardings):

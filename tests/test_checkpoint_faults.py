@@ -138,6 +138,20 @@ def test_an_interrupted_save_whose_group_metadata_is_half_written_is_deleted(tmp
     assert on_disk(tmp_path) == [f"{s:010d}" for s in older]
 
 
+def test_a_checkpoint_whose_commit_flag_is_false_is_deleted_with_a_line(tmp_path, capsys):
+    """A whole checkpoint whose write_completed is false (a save stopped just before its commit; or set by
+    hand) is uncommitted: the restore falls back to the one before and deletes it, saying so on stdout."""
+    checkpointer = checkpoints(tmp_path)
+    edit(tmp_path / "0000000002" / "zarr.json", lambda m: m["attributes"].update(write_completed=False))
+    restored = checkpointer.restore(*targets(make_mesh(4, 2)))
+    checkpointer.close()
+    assert restored[0] == 1 and on_disk(tmp_path) == ["0000000001"]
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "0000000002" in line] == [
+        f"seqax: checkpoint {tmp_path / '0000000002'} was never committed (write_completed is not true: its save was "
+        "cut short): deleted; training goes on from step 1"]
+
+
 def test_another_models_checkpoints_stop_the_restore_and_stay(tmp_path):
     """Every checkpoint holds a w of another shape: the config changed, nothing is damaged."""
     checkpointer = checkpoints(tmp_path)

@@ -122,6 +122,20 @@ def test_a_second_ctrl_c_stops_at_once_and_a_restart_resumes(tmp_path, dataset):
 
 
 @pytest.mark.slow
+def test_sigterm_during_the_last_evaluation_says_the_run_is_complete(tmp_path, dataset):
+    """SIGTERM after the last step's checkpoint, while the final evaluation (300 batches: seconds) runs:
+    the evaluation finishes, the run exits 0 and says why it did not stop at once (was: no line)."""
+    run = start(tmp_path, dataset, "run", "training.steps=6", "checkpoint_interval=0", "eval_interval=0",
+                "eval_batches=300")
+    run.wait_for("step      5/")  # the last step's line, written before its checkpoint and the evaluation
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=300) == 0, "".join(run.err)[-3000:]
+    assert run.errors() == ["seqax: preempted during the last evaluation: the run is complete at step 6 (its "
+                            "checkpoint committed)"]
+    assert committed(tmp_path / "run") == [6] and any("eval " in line for line in run.out)
+
+
+@pytest.mark.slow
 def test_ctrl_c_to_every_process_of_a_run_saves_on_each_and_exits_0(tmp_path, dataset):
     """Two processes of one jax.distributed run, each sent SIGINT (as a terminal's Ctrl-C reaches a
     process group, or srun passes it on): JAX's preemption service, given it as a SIGTERM, has them
