@@ -3,6 +3,7 @@
 stops the launch. That process i assembles exactly its rows of the global batch is
 tests/test_data_loader.py::test_two_processes_assemble_the_same_batch."""
 
+import contextlib
 import email
 import json
 import os
@@ -157,6 +158,42 @@ def test_a_killed_process_stops_the_launch(setup, tmp_path):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", port))
         s.listen()
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_no_process_running(setup, tmp_path):
+    """SIGKILL to the launcher alone: its processes end with it (the kernel's parent-death signal), where
+    they ran on unseen until the distributed runtime's heartbeat timeout (about 32 s) before."""
+    dataset, cache, _ = setup
+    launched = launch(cache, 2, 4, multihost_args(tmp_path, dataset, "orphans", 1000, "checkpoint_interval=0"),
+                      start_new_session=True)
+    lines = []
+    try:
+        for line in launched.stdout:
+            lines.append(line)
+            if line.startswith("[0] step"):
+                break
+        pids = [int(l.split()[-1]) for l in lines if l.startswith("launch_local: process ") and " has pid " in l]
+        assert len(pids) == 2, "".join(lines[-50:])
+        os.kill(launched.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        launched.wait(timeout=10)
+        while any(alive(pid) for pid in pids) and time.monotonic() < killed_at + 10:
+            time.sleep(0.05)
+        print(f"the processes outlived the launcher by {time.monotonic() - killed_at:.2f} s")
+        assert not any(alive(pid) for pid in pids)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (the workers have sessions of their own: not in this group)
+            os.killpg(launched.pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (not a zombie: the workers' parent is gone, so init reaps them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def settings(**changes):

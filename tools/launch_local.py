@@ -10,10 +10,13 @@ a signal), the others stop on their own (each names the lost process; multihost.
 after --grace-seconds; the launcher names the process that failed first and exits with its status
 (128 + the signal for a process killed by one). SIGTERM or Ctrl-C is passed on to every process
 (a run saves a checkpoint on SIGTERM); the launcher then exits 0 if every process exited 0, and
-any still alive after --grace-seconds are killed. No process outlives the launcher.
+any still alive after --grace-seconds are killed. No process outlives the launcher: on Linux each is
+also killed by the kernel when the launcher dies, even by SIGKILL (its output, the launcher's, is gone
+then; a restart resumes from the newest committed checkpoint).
 """
 
 import argparse
+import ctypes
 import os
 import re
 import signal
@@ -25,6 +28,22 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOST = re.compile(r"error: lost process (\d+) ")  # multihost.py's line when a peer is gone
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when the thread that started it ends
+
+
+def session_ending_with(launcher: int):
+    """A Popen preexec_fn: the child in a session of its own (stopping it stops what it started), killed
+    by the kernel when the launcher (pid `launcher`) dies, so that a SIGKILLed launcher leaves no worker
+    running (they would wait for the distributed runtime's heartbeat timeout, half a minute, unseen)."""
+    def start():
+        os.setsid()
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != launcher:  # the launcher died before the line above
+                os._exit(1)
+    return start
 
 
 def free_port() -> int:
@@ -66,10 +85,9 @@ class Launcher:
         self.log(f"starting {n} processes x {devices} CPU devices, coordinator 127.0.0.1:{self.port}")
         self.procs = []
         for i in range(n):
-            # Its own session, so that stopping a process also stops what it started.
             proc = subprocess.Popen([sys.executable, "-m", "train", *train_args], cwd=ROOT,
-                                    env=process_env(i, n, devices, self.port),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                    env=process_env(i, n, devices, self.port), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, preexec_fn=session_ending_with(os.getpid()))
             self.procs.append(proc)
             self.log(f"process {i} has pid {proc.pid}")
         self.exited = {}  # process -> (time.monotonic() of its exit, status), in the order they exited
