@@ -257,19 +257,19 @@ class Checkpointer:
         attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves],
                       "write_completed": False, "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves},
                       "array_dtypes": {leaf.name: leaf.dtype.name for leaf in leaves}}
-        group = zarr.create_group(store=path, attributes=attributes)
+        os.mkdir(path)  # folders below are made with mkdir too: none is made again if the run's is deleted
+        zarr.create_group(store=path, attributes=attributes)
         for leaf, layout in zip(leaves, layouts):
             key = (leaf.name, leaf.shape, leaf.dtype.name, layout)
-            metadata = os.path.join(path, leaf.name, "zarr.json")
-            if key in self._metadata:
-                os.makedirs(os.path.dirname(metadata))
-                with open(metadata, "wb") as f:
-                    f.write(self._metadata[key])
-                continue
-            sharded_zarr.create(group, leaf.name, leaf.shape, stored_dtype(leaf.dtype), layout, self._compressors(),
-                                {"dtype": leaf.dtype.name})
-            with open(metadata, "rb") as f:
-                self._metadata[key] = f.read()
+            if key not in self._metadata:  # zarr writes it in memory (it would make missing folders on disk)
+                in_memory = {}
+                sharded_zarr.create(zarr.create_group(store=zarr.storage.MemoryStore(in_memory)), leaf.name,
+                                    leaf.shape, stored_dtype(leaf.dtype), layout, self._compressors(),
+                                    {"dtype": leaf.dtype.name})
+                self._metadata[key] = in_memory[f"{leaf.name}/zarr.json"].to_bytes()
+            os.mkdir(os.path.join(path, leaf.name))
+            with open(os.path.join(path, leaf.name, "zarr.json"), "wb") as f:
+                f.write(self._metadata[key])
 
     def _write(self, step: int, leaves: list[_HostLeaf]):
         """Every process: its chunks, then its `.written` marker. Process 0 first creates the

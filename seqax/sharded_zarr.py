@@ -12,6 +12,7 @@ write and accept. Compressed data goes through zarr.
 """
 
 import dataclasses
+import errno
 import itertools
 import os
 from functools import partial
@@ -123,8 +124,10 @@ def write_jobs(array_dir: str, layout: Layout, data: dict[tuple, np.ndarray], ar
     for the direct path."""
     if layout.shards is None:
         if array is not None:
-            return [[partial(array.__setitem__, slices(box(c, layout.chunks)), d)] for c, d in data.items()]
-        return [[partial(_write_at, os.path.join(array_dir, "c", *map(str, c)), 0, d)] for c, d in data.items()]
+            return [[partial(_set_below, array_dir, c, array, slices(box(c, layout.chunks)), d)]
+                    for c, d in data.items()]
+        return [[partial(_write_at, os.path.join(array_dir, "c", *map(str, c)), 0, d, array_dir)]
+                for c, d in data.items()]
     per_shard = tuple(s // c for s, c in zip(layout.shards, layout.chunks))
     shards: dict[tuple, dict] = {}
     for c, d in data.items():
@@ -143,15 +146,39 @@ def write_jobs(array_dir: str, layout: Layout, data: dict[tuple, np.ndarray], ar
         index = np.array([(k * size, size) for k in range(len(chunks))], "<u8")
         first = tuple(i * k for i, k in zip(s, per_shard))
         position = {c: int(np.ravel_multi_index(tuple(i - f for i, f in zip(c, first)), per_shard)) for c in chunks}
-        files.append([partial(_write_at, path, len(chunks) * size, index)]
-                     + [partial(_write_at, path, position[c] * size, d) for c, d in chunks.items()])
+        files.append([partial(_write_at, path, len(chunks) * size, index, array_dir)]
+                     + [partial(_write_at, path, position[c] * size, d, array_dir) for c, d in chunks.items()])
     return files
 
 
-def _write_at(path: str, offset: int, data: np.ndarray):
+def _makedirs_below(root: str, folder: str):
+    """Makes `folder` and the folders between it and `root` (which must exist), never `root` or anything
+    above it: each level is made by mkdir in its parent, which fails (FileNotFoundError) once `root` is gone."""
+    made = root
+    for part in os.path.relpath(folder, root).split(os.sep):
+        if part != os.curdir:
+            made = os.path.join(made, part)
+            try:
+                os.mkdir(made)
+            except FileExistsError:
+                pass
+    if made == root and not os.path.isdir(root):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", root)
+
+
+def _set_below(array_dir: str, chunk: tuple, array: zarr.Array, where: tuple, data: np.ndarray):
+    """zarr's write of one compressed chunk, whose folders are first made below `array_dir` as _write_at
+    makes them (zarr would make every missing folder up to the root, a deleted run directory included)."""
+    _makedirs_below(array_dir, os.path.join(array_dir, "c", *map(str, chunk[:-1])))
+    array[where] = data
+
+
+def _write_at(path: str, offset: int, data: np.ndarray, array_dir: str):
     """Writes `data` at `offset` of the file (created if need be), followed by its CRC32C. The
-    checksum is computed piece by piece just before each piece is written, while it is in cache."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    checksum is computed piece by piece just before each piece is written, while it is in cache.
+    Folders are made below `array_dir` only, which must exist: a checkpoint deleted while it is
+    written (its run directory removed under a live run) is not made again around its chunks."""
+    _makedirs_below(array_dir, os.path.dirname(path))
     flat, crc = _bytes(data), 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:

@@ -63,7 +63,8 @@ def test_a_key_with_a_default_is_set_without_a_plus_whether_or_not_the_yaml_has_
     """training.expert_bias_rate is in no YAML (its default is the dataclass's): `key=value` sets it as a key the
     YAML has is set, and `+key=value` still works; a key the YAML has is overridden as before."""
     plain = load_config("local_test_synthetic", ["+paths.model_name=x", "training.expert_bias_rate=0.5",
-                                                 "model.attention_kernel=reference", "+training.expert_balance_loss=0.1"])
+                                                 "model.attention_kernel=reference",
+                                                 "+training.expert_balance_loss=0.1"])
     assert plain.training.expert_bias_rate == 0.5 and plain.training.expert_balance_loss == 0.1
     assert plain.model.attention_kernel == "reference"
     assert load_config("local_test_synthetic", ["+paths.model_name=x"]).training.expert_bias_rate == 0.001
