@@ -191,7 +191,8 @@ def document_positions(is_seq_start: bool_[b"B/d L"]) -> tuple[u32[b"B/d L"], u3
 
 
 def rms_norm(x, weight, eps: float):
-    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in float32."""
+    """RMSNorm (Zhang & Sennrich 2019): x / sqrt(mean(x^2) + eps) * weight, in float32 (x of any type)."""
+    x = x.astype(jnp.float32)
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 

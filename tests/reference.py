@@ -19,6 +19,7 @@ def mm(a, b):
 
 
 def norm(x, w, eps):
+    x = x.astype(f32)
     return x / jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps) * w
 
 

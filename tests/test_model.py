@@ -117,18 +117,26 @@ def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact
 @pytest.mark.parametrize("d,t", [(1, 1), (2, 4)])
 def test_bfloat16_loss_and_gradients_are_as_accurate_as_reference(problem, exact_reference, d, t):
     """With bfloat16 operands (the training precision) the loss matches the bfloat16 reference to
-    1e-4, and the gradients are about as close to the exact ones as the bfloat16 reference's are
-    (the two round at different points: blockwise attention rounds unnormalized softmax
-    weights, the reference normalized ones). Measured on this tiny model: both 0.3-1.1e-2."""
+    1e-4, and each gradient is about as close to the exact one as the bfloat16 reference's is.
+    The bound is the arithmetic's own: a gradient's error from bfloat16 rounding is its unit
+    roundoff (2^-9) times its conditioning (how much its terms cancel, largest for a norm gain's
+    gradient, a sum over every position), which any bfloat16 evaluation of the same math shares.
+    The two round at a few different points (blockwise attention rounds unnormalized softmax
+    weights, the reference normalized ones), so each of ours may be a little worse, never a whole
+    bit of bfloat16's 8 worse: below twice the reference's error of the same gradient. Measured on
+    this tiny model: 0.3-1.1e-2 from exact, 0.93-1.24x the reference's; with QK-norm's gains up to
+    1.8e-2 and 1.55x (the reference's own k_norm error is 1.7e-2); on average within 1.2x of it."""
     cfg, weights, batch, ref_loss, ref_grads = problem
     _, exact_grads = exact_reference
     loss, grads = sharded_loss_and_grads(cfg, make_mesh(d, t), weights, batch)
     assert abs(float(loss) - ref_loss) <= 1e-4 * abs(ref_loss), (float(loss), ref_loss)
     ours = relative_errors(weights_to_dicts(grads, cfg.model.layers), exact_grads)
-    reference_mean = np.mean([err for _, err in relative_errors(ref_grads, exact_grads)])
+    reference = dict(relative_errors(ref_grads, exact_grads))
     for path, err in ours:
-        assert err < 1.5e-2, f"gradient {path}: relative L2 error {err:.2e} from exact on mesh {d}x{t}"
-    assert np.mean([err for _, err in ours]) < 1.2 * reference_mean, (ours, reference_mean)
+        assert err < 2 * reference[path], (
+            f"gradient {path}: relative L2 error {err:.2e} from exact on mesh {d}x{t}, the bfloat16 reference's "
+            f"{reference[path]:.2e}: a bit of precision lost")
+    assert np.mean([err for _, err in ours]) < 1.2 * np.mean(list(reference.values())), (ours, reference)
 
 
 def test_reference_loss_is_near_log_vocab_at_init(small_problem):
