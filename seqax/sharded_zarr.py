@@ -169,7 +169,7 @@ def _makedirs_below(root: str, folder: str):
 def _set_below(array_dir: str, chunk: tuple, array: zarr.Array, where: tuple, data: np.ndarray):
     """zarr's write of one compressed chunk, whose folders are first made below `array_dir` as _write_at
     makes them (zarr would make every missing folder up to the root, a deleted run directory included)."""
-    _makedirs_below(array_dir, os.path.join(array_dir, "c", *map(str, chunk[:-1])))
+    _makedirs_below(array_dir, os.path.dirname(os.path.join(array_dir, "c", *map(str, chunk))))  # a scalar's is "c"
     array[where] = data
 
 

@@ -11,14 +11,16 @@ import sys
 import jax
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 import train
 from bench.mesh_agreement import metrics_on_meshes  # noqa: F401 (the tests' name for it)
 from seqax import config
+from seqax.checkpoint import Checkpointer
 from seqax.config import load_config
 from seqax.data.data_loader import zigzag_order
-from seqax.data.flat_tokens import open_flat_tokens
-from seqax.data.tokenizer import dataset_tokenizer
+from seqax.data.flat_tokens import open_flat_tokens, write_flat_tokens
+from seqax.data.tokenizer import ByteTokenizer, dataset_tokenizer
 from seqax.shardlib.shardtypes import abstract_arrays, bool_, f32, typed_shard_map, u32
 from tools import prepare_dataset
 from tools.launch_local import free_port
@@ -156,6 +158,23 @@ def prepared_dataset(path, *args: str) -> str:
     """tools/prepare_dataset.py's dataset of the inputs and flags `args`, at `path`."""
     prepare_dataset.main([*args, "--output", str(path), "--workers", "1", "--quiet"])
     return str(path)
+
+
+def checkpointed_bytes_run(root) -> str:
+    """root/run: a tiny bytes-tokenized model's config.yaml and checkpoint 1 (its initial weights), for the
+    tools that read a run; root/data.zarr its dataset. Returns the run directory."""
+    data = str(root / "data.zarr")
+    docs = [np.frombuffer(b"hello world", np.uint8).astype(np.uint32) + 1] * 8
+    write_flat_tokens(data, {"train": docs, "validation": docs[:1]}, {"tokenizer": ByteTokenizer().identity()})
+    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128",
+                                               "model.layers=1", "model.vocab=258", "+paths.model_name=run",
+                                               f"paths.root_working_dir={root}", f"dataset.path={data}"])
+    os.makedirs(root / "run")
+    (root / "run" / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
+    checkpointer = Checkpointer(str(root / "run" / "checkpoints"), cfg.checkpoints)
+    checkpointer.save(1, train.init_state(cfg, train.make_mesh(4, 2)))
+    checkpointer.close()
+    return str(root / "run")
 
 
 # ---------------------------------------------------------------------------------------------

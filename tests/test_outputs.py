@@ -2,42 +2,22 @@
 writes a file refuses an output that is, holds or lies inside what it reads, with one line, before
 anything is written; the inputs stay byte for byte."""
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 from functools import partial
 
-import numpy as np
 import pytest
-from omegaconf import OmegaConf
 
-import train
-from fixtures import ROOT, child_env, snapshot
-from seqax.checkpoint import Checkpointer
-from seqax.config import load_config
-from seqax.data.flat_tokens import write_flat_tokens
-from seqax.data.tokenizer import ByteTokenizer
+from fixtures import ROOT, checkpointed_bytes_run, child_env, snapshot
 from tools import export_hf, make_choice_task, plot_metrics, prepare_dataset
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> str:
     """root/run: a tiny bytes-tokenized model's config.yaml and checkpoint 1; root/data.zarr its dataset."""
-    root = tmp_path_factory.mktemp("root")
-    data = str(root / "data.zarr")
-    docs = [np.frombuffer(b"hello world", np.uint8).astype(np.uint32) + 1] * 8
-    write_flat_tokens(data, {"train": docs, "validation": docs[:1]}, {"tokenizer": ByteTokenizer().identity()})
-    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128",
-                                               "model.layers=1", "model.vocab=258", "+paths.model_name=run",
-                                               f"paths.root_working_dir={root}", f"dataset.path={data}"])
-    os.makedirs(root / "run")
-    (root / "run" / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
-    checkpointer = Checkpointer(str(root / "run" / "checkpoints"), cfg.checkpoints)
-    checkpointer.save(1, train.init_state(cfg, train.make_mesh(4, 2)))
-    checkpointer.close()
-    return str(root / "run")
+    return checkpointed_bytes_run(tmp_path_factory.mktemp("root"))
 
 
 def one_error_line(capsys, call, prefix: str = "seqax: error: ") -> str:

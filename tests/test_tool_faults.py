@@ -2,44 +2,28 @@
 over an existing output, and sample.py refuses prompts and caches it cannot honour, each with
 one line and nothing on disk changed."""
 
-import dataclasses
 import os
 import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 import tokenizers
-from omegaconf import OmegaConf
 
 import sample
 import train
-from fixtures import ROOT, child_env, mounted, snapshot
+from fixtures import ROOT, checkpointed_bytes_run, child_env, mounted, snapshot
 from seqax import sharded_zarr
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointError, ConfigError, load_config
-from seqax.data.flat_tokens import write_flat_tokens
-from seqax.data.tokenizer import ByteTokenizer, JsonTokenizer
+from seqax.data.tokenizer import JsonTokenizer
 from tools import export_hf
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> str:
     """A run directory of a tiny bytes-tokenized model: config.yaml and checkpoint 1."""
-    root = tmp_path_factory.mktemp("run")
-    data = str(root / "data.zarr")
-    docs = [np.frombuffer(b"hello world", np.uint8).astype(np.uint32) + 1] * 8
-    write_flat_tokens(data, {"train": docs, "validation": docs[:1]}, {"tokenizer": ByteTokenizer().identity()})
-    cfg = load_config("local_test_synthetic", ["model.d_model=64", "model.n_kv=2", "model.d_head=16", "model.d_ff=128",
-                                               "model.layers=1", "model.vocab=258", "+paths.model_name=run",
-                                               f"paths.root_working_dir={root}", f"dataset.path={data}"])
-    os.makedirs(root / "run")
-    (root / "run" / "config.yaml").write_text(OmegaConf.to_yaml(dataclasses.asdict(cfg)))
-    checkpointer = Checkpointer(str(root / "run" / "checkpoints"), cfg.checkpoints)
-    checkpointer.save(1, train.init_state(cfg, train.make_mesh(4, 2)))
-    checkpointer.close()
-    return str(root / "run")
+    return checkpointed_bytes_run(tmp_path_factory.mktemp("run"))
 
 
 def one_error_line(capsys, call) -> str:
