@@ -1,9 +1,15 @@
-"""roofline.py on hand-built HLO whose answer is known: one matmul, one elementwise kernel, an
-in-place update in a loop, a loop of unknown trip count inside a counted one, a conditional (its
-costlier branch), a collective the compiler made asynchronous against one it did not, and a
-Pallas kernel that states its FLOPs."""
+"""roofline.py on hand-built HLO whose answer is known: one matmul, convolutions (against a brute-force
+count of their taps and XLA's own count; the matmuls the TPU compiler writes as convolutions), one
+elementwise kernel, an in-place update in a loop, a loop of unknown trip count inside a counted one,
+a conditional (its costlier branch), a collective the compiler made asynchronous against one it did
+not, and a Pallas kernel that states its FLOPs."""
 
+import random
+
+import jax
+import jax.numpy as jnp
 import pytest
+from jax import lax
 
 from seqax.analysis import roofline
 from seqax.analysis.hlo import parse_module
@@ -209,44 +215,91 @@ def test_a_loop_the_compiler_left_uncounted_is_counted_from_its_condition():
     assert kernel.runs == 6
 
 
-def test_a_matmul_the_tpu_compiler_wrote_as_a_convolution_counts_the_einsum_it_came_from():
-    """'abc,cd->abd' over [8, 64, 128] x [128, 32]: 2 x 8 x 64 x 32 x 128 FLOPs, whatever windows the
-    convolution uses to express it."""
-    text = module(entry="""ENTRY %main (a: bf16[8,64,128], b: bf16[128,32]) -> f32[8,64,32] {
-  %a = bf16[8,64,128]{2,1,0} parameter(0)
-  %b = bf16[128,32]{1,0} parameter(1)
-  ROOT %convolution.1 = f32[8,64,32]{2,1,0} convolution(%a, %b), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf_io->0bf, metadata={op_name="jit(f)/abc,cd->abd/dot_general"}
-}""")
-    [kernel] = step(text).kernels
-    assert kernel.kind == "matmul" and kernel.flops == 2 * 8 * 64 * 32 * 128
-
-
-@pytest.mark.parametrize("name", ["jit(f)/jvp(abc,cdef->abdef)/dot_general",
-                                  "jit(f)/transpose(jvp(abc,cdef->abdef))/dot_general"])
-def test_the_einsum_is_found_inside_a_transformations_brackets(name):
-    """Outside a loop JAX names a differentiated einsum 'jvp(abc,cdef->abdef)'. The query projection
-    as the v6e compiler wrote it (shapes cut down): [2, 16, 64] x [64, 4, 4, 8] with windows over
-    the head dimensions, 2 x 2 x 16 x 4 x 4 x 8 x 64 FLOPs; the convolution's own kernel shape,
-    taken when the einsum was not found, gave 16x that."""
-    text = module(entry=f"""ENTRY %main (a: bf16[2,16,64,1,1], b: bf16[64,4,4,8,1]) -> f32[2,16,4,4,8] {{
-  %a = bf16[2,16,64,1,1]{{4,3,2,1,0}} parameter(0)
-  %b = bf16[64,4,4,8,1]{{4,3,2,1,0}} parameter(1)
-  ROOT %convolution.1 = f32[2,16,4,4,8]{{4,3,2,1,0}} convolution(%a, %b), window={{size=1x4x4 pad=0_0x3_3x3_3 rhs_reversal=0x1x1}}, dim_labels=0bf21_i21o0->0b21f, metadata={{op_name="{name}"}}
+def convolution(window: str, labels: str, lhs: str, rhs: str, out: str, extra: str = "") -> str:
+    """A module of one convolution, its operands parameters."""
+    return module(entry=f"""ENTRY %main (a: {lhs}, b: {rhs}) -> {out} {{
+  %a = {lhs} parameter(0)
+  %b = {rhs} parameter(1)
+  ROOT %convolution.1 = {out} convolution(%a, %b), window={{{window}}}, dim_labels={labels}{extra}, metadata={{op_name="jit(f)/dot_general"}}
 }}""")
-    [kernel] = step(text).kernels
-    assert kernel.kind == "matmul" and kernel.flops == 2 * 2 * 16 * 4 * 4 * 8 * 64
 
 
-def test_an_einsum_with_an_ellipsis_counts_its_batch_once():
-    """'...ij,...jk->...ik' (Newton-Schulz over a stack of 6 matrices, [6, 64, 128] x [6, 128, 32]):
-    2 x 6 x 64 x 32 x 128, the stack a batch dimension and not a contracted one."""
-    text = module(entry="""ENTRY %main (a: bf16[6,64,128], b: bf16[6,128,32]) -> f32[6,64,32] {
-  %a = bf16[6,64,128]{2,1,0} parameter(0)
-  %b = bf16[6,128,32]{2,1,0} parameter(1)
-  ROOT %convolution.1 = f32[6,64,32]{2,1,0} convolution(%a, %b), window={size=6x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf_0io->0bf, metadata={op_name="jit(f)/cond/branch_1_fun/...ij,...jk->...ik/dot_general"}
-}""")
-    [kernel] = step(text).kernels
-    assert kernel.kind == "matmul" and kernel.flops == 2 * 6 * 64 * 32 * 128
+def taps_reading_the_input(size_in, size, stride, low, high, lhs_dilation, rhs_dilation) -> tuple[int, int]:
+    """(output positions, (position, tap) pairs that read an input element) of one spatial dimension,
+    by laying out the dilated, padded input and sliding the dilated window over it."""
+    is_element = [False] * max(low, 0) + [i % lhs_dilation == 0 for i in range((size_in - 1) * lhs_dilation + 1)]
+    is_element = is_element[max(-low, 0):] + [False] * max(high, 0)
+    is_element = is_element[: len(is_element) + min(high, 0)]
+    span = (size - 1) * rhs_dilation + 1
+    starts = range(0, len(is_element) - span + 1, stride)
+    return len(starts), sum(is_element[start + k * rhs_dilation] for start in starts for k in range(size))
+
+
+def test_a_convolution_counts_the_taps_that_read_its_input_not_its_padding():
+    """Two spatial dimensions with random sizes, strides, paddings (some negative) and dilations, 2
+    feature groups: 2 x batch x output features x 3 input features a group x the (position, tap) pairs
+    that land on an input element, counted by brute force."""
+    rng, checked = random.Random(0), 0
+    while checked < 200:
+        dims = [(rng.randint(1, 6), rng.randint(1, 4), rng.randint(1, 3), rng.randint(-2, 5), rng.randint(-2, 5),
+                 rng.randint(1, 3), rng.randint(1, 3)) for _ in range(2)]
+        counted = [taps_reading_the_input(*dim) for dim in dims]
+        if any(positions < 1 for positions, _ in counted):
+            continue
+        window = (f"size={'x'.join(str(d[1]) for d in dims)} stride={'x'.join(str(d[2]) for d in dims)} "
+                  f"pad={'x'.join(f'{d[3]}_{d[4]}' for d in dims)} lhs_dilate={'x'.join(str(d[5]) for d in dims)} "
+                  f"rhs_dilate={'x'.join(str(d[6]) for d in dims)}")
+        (h, kh, *_), (w, kw, *_) = dims
+        (oh, taps_h), (ow, taps_w) = counted
+        text = convolution(window, "b01f_01io->b01f", f"f32[2,{h},{w},6]{{3,2,1,0}}", f"f32[{kh},{kw},3,8]{{3,2,1,0}}",
+                           f"f32[2,{oh},{ow},8]{{3,2,1,0}}", ", feature_group_count=2")
+        [kernel] = step(text).kernels
+        assert kernel.flops == 2 * 2 * 8 * 3 * taps_h * taps_w, dims
+        checked += 1
+
+
+def test_a_convolution_costs_what_xla_counts_for_it():
+    """XLA's own count (its cost analysis, which also skips the padding) of a convolution this CPU
+    compiled, with every window field written as XLA writes it: strides, a negative padding, both
+    dilations, feature groups."""
+    def f(x, w):
+        return lax.conv_general_dilated(x, w, window_strides=(2, 1), padding=((3, 1), (2, -1)), lhs_dilation=(2, 1),
+                                        rhs_dilation=(1, 3), dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                        feature_group_count=2)
+
+    compiled = jax.jit(f).lower(jax.ShapeDtypeStruct((2, 7, 9, 6), jnp.float32),
+                                jax.ShapeDtypeStruct((3, 4, 3, 8), jnp.float32)).compile()
+    [kernel] = [k for k in step(compiled.as_text()).kernels if k.kind == "matmul"]
+    assert kernel.flops == compiled.cost_analysis()["flops"] == 2016
+
+
+# A matmul as the TPU compiler writes it, [window, dim_labels, lhs, rhs, out], and its dot's FLOPs: a
+# dimension kept whole under a 1-tap window; the query projection (v6e, shapes cut down), its heads
+# (4 x 4) windows over an input of 1 padded by 3 each side; a batch of 6 matrices (Newton-Schulz),
+# windows over an input dilated by 6, one tap in 6 on an element.
+MATMULS_AS_CONVOLUTIONS = [
+    (["size=1", "0bf_0io->0bf", "bf16[8,64,128]{2,1,0}", "bf16[1,128,32]{2,1,0}", "f32[8,64,32]{2,1,0}"],
+     2 * 8 * 64 * 32 * 128),
+    (["size=1x4x4 pad=0_0x3_3x3_3 rhs_reversal=0x1x1", "0bf21_i21o0->0b21f", "bf16[2,16,64,1,1]{4,3,2,1,0}",
+      "bf16[64,4,4,8,1]{4,3,2,1,0}", "f32[2,16,4,4,8]{4,3,2,1,0}"], 2 * 2 * 16 * 4 * 4 * 8 * 64),
+    (["size=6 stride=5 lhs_dilate=6", "0bf_0io->0bf", "bf16[6,64,128]{2,1,0}", "bf16[6,128,32]{2,1,0}",
+      "f32[6,64,32]{2,1,0}"], 2 * 6 * 64 * 32 * 128),
+]
+
+
+@pytest.mark.parametrize("convolution_text, dot", MATMULS_AS_CONVOLUTIONS, ids=["one_tap", "padded_heads", "dilated_batch"])
+def test_a_matmul_the_tpu_compiler_wrote_as_a_convolution_costs_the_dot(convolution_text, dot):
+    """Whatever its op_name: counting every tap of the kernel, padding included, gave the query
+    projection 16x its FLOPs and the batch 6x."""
+    [kernel] = step(convolution(*convolution_text)).kernels
+    assert kernel.kind == "matmul" and kernel.flops == dot
+
+
+def test_a_convolution_whose_window_does_not_fit_its_labels_is_refused():
+    text = convolution("size=1x4 pad=0_0x3_3", "0bf_0io->0bf", "bf16[8,64,128]{2,1,0}", "bf16[1,128,32]{2,1,0}",
+                       "f32[8,64,32]{2,1,0}")
+    with pytest.raises(ValueError, match="do not fit its shapes"):
+        step(text)
 
 
 def test_a_scatter_in_a_loop_moves_its_rows_not_the_buffer():

@@ -80,6 +80,48 @@ class Instruction:
         return value.strip().strip('"')
 
 
+@dataclass(frozen=True)
+class WindowDimension:
+    """One spatial dimension of a convolution's window, as XLA defines it: `size` taps, `rhs_dilation`
+    apart, slide `stride` apart over the input with `lhs_dilation - 1` holes between its elements and
+    `pad_low`, `pad_high` positions added at its ends (negative: cut off)."""
+
+    size: int
+    stride: int = 1
+    pad_low: int = 0
+    pad_high: int = 0
+    lhs_dilation: int = 1
+    rhs_dilation: int = 1
+
+
+def window(inst: Instruction) -> list[WindowDimension]:
+    """A convolution's window, one entry per spatial dimension, from its text:
+    `window={size=3x4 stride=2x1 pad=3_1x2_-1 lhs_dilate=2x1 rhs_dilate=1x3 rhs_reversal=0x1}`, where a
+    field at its default for every dimension is left out (a reversal reorders the taps: nothing counts it).
+    [] when it has none (no spatial dimension)."""
+    fields = dict(item.split("=", 1) for item in (inst.attribute("window") or "").strip("{}").split())
+    if "size" not in fields:
+        return []
+
+    def each(key: str, default: str) -> list[str]:
+        return fields[key].split("x") if key in fields else [default] * len(fields["size"].split("x"))
+
+    return [WindowDimension(int(size), int(stride), int(pad.split("_")[0]), int(pad.split("_")[1]), int(lhs), int(rhs))
+            for size, stride, pad, lhs, rhs in zip(each("size", "1"), each("stride", "1"), each("pad", "0_0"),
+                                                   each("lhs_dilate", "1"), each("rhs_dilate", "1"))]
+
+
+def dim_labels(inst: Instruction) -> tuple[str, str, str]:
+    """A convolution's dimension labels, `dim_labels=b01f_01io->b01f`: (input, kernel, output), a letter
+    per dimension in order: b batch, f feature (i, o the kernel's input and output features), a digit the
+    spatial dimension of that number (the window's dimension of that index)."""
+    text = inst.attribute("dim_labels")
+    match = re.fullmatch(r"([a-z0-9]+)_([a-z0-9]+)->([a-z0-9]+)", text or "")
+    if not match:
+        raise ValueError(f"convolution {inst.name} has no dim_labels=INPUT_KERNEL->OUTPUT (it has {text!r})")
+    return match.group(1), match.group(2), match.group(3)
+
+
 @dataclass
 class Computation:
     name: str

@@ -81,25 +81,11 @@ class Kernel:
 
 def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
     """2 per multiply-add of a dot: 2 x its output's elements x the product of the contracted
-    dimensions of its left operand (dimension numbers from its attributes or its backend_config). The
-    TPU compiler writes a matmul as a convolution, a batched one with dilated windows whose taps
-    are mostly zeros: its FLOPs are 2 x its output's elements x the contracted size of the einsum it
-    came from (JAX's op_name, 'abcde,abfe->abcdf/dot_general', whose letters size the left operand),
-    else the kernel's elements per output feature."""
-    out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
+    dimensions of its left operand (dimension numbers from its attributes or its backend_config). A
+    convolution (the TPU compiler writes matmuls as convolutions): convolution_flops."""
     if inst.opcode == "convolution":
-        lhs, rhs = (hlo.arrays(shape)[0][1] for shape in operand_shapes[:2])
-        spec = einsum_of(inst.op_name, len(lhs))
-        if spec:
-            left, right, result = spec
-            contracted = set(left) & set(right) - set(result)
-            if len(left) == len(lhs):  # the operand kept the einsum's dimensions
-                sizes = dict(zip(left, lhs))
-                return 2.0 * math.prod(out) * math.prod(sizes[letter] for letter in contracted)
-            if not set(left) & set(right) & set(result):  # no batch dimension: lhs x rhs / out = K^2
-                return 2.0 * math.prod(out) * math.sqrt(math.prod(lhs) * math.prod(rhs) / math.prod(out))
-        rhs_labels = (inst.attribute("dim_labels") or "_o->").split("->")[0].split("_")[1]
-        return 2.0 * math.prod(out) * math.prod(rhs) / rhs[rhs_labels.index("o")]
+        return convolution_flops(inst, operand_shapes)
+    out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
     contracting = inst.attribute("lhs_contracting_dims")
     if contracting is not None:
         dims = [int(d) for d in contracting.strip("{}").split(",") if d]
@@ -110,18 +96,51 @@ def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
 
 
-def einsum_of(op_name: str, lhs_rank: int) -> tuple[str, str, str] | None:
-    """The einsum a dot_general came from, as (left, right, result) letters, from JAX's op_name: the
-    spec is its last name before '/dot_general', written 'jit(f)/abc,cd->abd/dot_general', or inside
-    a transformation's brackets when nothing follows it there, 'jvp(abc,cd->abd)/dot_general'. An
-    ellipsis ('...ij,...jk->...ik', batched Newton-Schulz) becomes one letter per dimension it stands
-    for in the left operand, shared by all three."""
-    found = re.search(r"(?:^|[/(])([\w.]+),([\w.]+)->([\w.]+)\)*/dot_general", op_name)
-    if not found:
-        return None
-    left, right, result = found.groups()
-    batch = "".join(chr(0x3B1 + i) for i in range(max(lhs_rank - len(left.replace("...", "")), 0)))
-    return left.replace("...", batch), right.replace("...", batch), result.replace("...", batch)
+def convolution_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
+    """2 per multiply-add that reads the input, not its padding: for each of the output's batch rows
+    and features, the input features of its group (the input's / feature_group_count) x the window
+    taps that land on an input element, summed over the output's positions. Spatial dimensions are
+    independent, so that sum is the product over them of taps_inside. The TPU compiler writes a
+    matmul's free dimensions as windows padded on both sides (an output dimension of n from an input
+    of 1: n taps, n - 1 of padding each side, one real tap per position) and its batch dimensions as
+    windows over a dilated input (one real tap per position): counting every tap of the kernel gave
+    such a matmul up to 16x its FLOPs. For a 1-tap window, or one that covers exactly the input, this
+    is the matching dot's count."""
+    lhs = hlo.arrays(operand_shapes[0])[0][1]
+    out = hlo.arrays(hlo.tuple_elements(inst.shape)[0])[0][1]
+    lhs_labels, _, out_labels = hlo.dim_labels(inst)
+    window = hlo.window(inst)
+    spatial = sum(label.isdigit() for label in lhs_labels)
+    if len(window) != spatial or len(lhs_labels) != len(lhs) or len(out_labels) != len(out):
+        raise ValueError(f"convolution {inst.name}: its window ({inst.attribute('window')}) and dim_labels "
+                         f"({inst.attribute('dim_labels')}) do not fit its shapes {lhs} -> {out}")
+    taps = math.prod(taps_inside(lhs[lhs_labels.index(str(d))], out[out_labels.index(str(d))], dimension)
+                     for d, dimension in enumerate(window))
+    features = lhs[lhs_labels.index("f")] // int(inst.attribute("feature_group_count") or 1)
+    return 2.0 * out[out_labels.index("b")] * out[out_labels.index("f")] * features * taps
+
+
+def taps_inside(size_in: int, size_out: int, dim: hlo.WindowDimension) -> int:
+    """How many (output position, window tap) pairs of one spatial dimension read an input element:
+    output o's tap k reads position u = o stride + k rhs_dilation - pad_low of the dilated input, an
+    element when u is a multiple of lhs_dilation below size_in x lhs_dilation. Per tap, the outputs
+    that qualify are a range (u inside the input) intersected with a residue class (u a multiple of
+    lhs_dilation: o stride = -offset mod lhs_dilation, solvable when gcd(stride, lhs_dilation)
+    divides the offset, then every lhs_dilation / gcd outputs)."""
+    last = (size_in - 1) * dim.lhs_dilation  # the last element's position in the dilated input
+    common = math.gcd(dim.stride, dim.lhs_dilation)
+    period = dim.lhs_dilation // common
+    inverse = pow(dim.stride // common, -1, period)  # 0 when period is 1: every output in range qualifies
+    count = 0
+    for k in range(dim.size):
+        offset = k * dim.rhs_dilation - dim.pad_low  # tap k's position for output 0
+        if offset % common:
+            continue
+        first, final = max(0, -(offset // dim.stride)), min(size_out - 1, (last - offset) // dim.stride)
+        residue = (-offset // common) * inverse % period
+        if final >= first:
+            count += (final - residue) // period - (first - 1 - residue) // period
+    return count
 
 
 def _element_count(shape: str) -> int:
