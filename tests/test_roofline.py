@@ -199,8 +199,11 @@ ENTRY %main (x: f32[8]) -> f32[8] {
 
 
 def test_a_loop_the_compiler_left_uncounted_is_counted_from_its_condition():
-    """The TPU compiler writes no trip count: `counter < 6`, the counter starting at 0, runs 6 times."""
+    """The TPU compiler writes no trip count: `counter < 6`, the counter starting at 0 and stepping by
+    1, runs 6 times."""
     text = IN_PLACE_LOOP.replace(', backend_config={"known_trip_count":{"n":"4"}}', "").replace(
+        "tuple(%i, %update, %x)", "tuple(%next, %update, %x)").replace(
+        "  %update =", "  %one = s32[] constant(1)\n  %next = s32[] add(%i, %one)\n  %update =").replace(
         """  ROOT %true = pred[] constant(true)""", """  %counter = s32[] get-tuple-element(%arg), index=0
   %six = s32[] constant(6)
   ROOT %lt = pred[] compare(%counter, %six), direction=LT""").replace(
@@ -211,8 +214,7 @@ def test_a_loop_the_compiler_left_uncounted_is_counted_from_its_condition():
   %x = f32[256]{0} get-tuple-element(%state), index=2
   %start = (s32[], f32[4,256]{1,0}, f32[256]{0}) tuple(%zero, %buffer, %x)
   ROOT %while.1""").replace("while(%state)", "while(%start)")
-    [kernel] = step(text).kernels
-    assert kernel.runs == 6
+    assert {k.name: k.runs for k in step(text).kernels} == {"next": 6, "update": 6}
 
 
 def convolution(window: str, labels: str, lhs: str, rhs: str, out: str, extra: str = "") -> str:

@@ -223,36 +223,121 @@ def entry(computations: dict[str, Computation]) -> Computation:
 
 def loop_trips(loop: Instruction, computation: Computation, computations: dict[str, Computation]) -> int | None:
     """How many times a while loop runs: the trip count the compiler wrote down (GPU and CPU do),
-    else read from the loop (the TPU compiler writes none): a condition `counter < N` (directly or
-    in a fusion) with N a constant, the counter starting at the constant the loop's initial tuple
-    holds there. None when the bound is not a constant (a loop whose length depends on data)."""
+    else read from the loop (the TPU compiler writes none): its condition compares a counter of its
+    state (plus a constant) with a constant bound, its body adds a constant step to that counter (1,
+    or 2 to 4 in an unrolled loop), and the counter starts at the constant the loop's initial tuple
+    holds there, each directly or inside fusions. None when the bound or step is not a constant (a
+    loop whose length depends on data) or the loop would not end."""
     if loop.trip_count is not None:
         return loop.trip_count
-    condition = computations.get(loop.attribute("condition").lstrip("%")) if loop.attribute("condition") else None
-    if condition is None or not condition.instructions:
+    condition = computations.get((loop.attribute("condition") or "").lstrip("%"))
+    body = computations.get(loop.calls[0]) if loop.calls else None
+    if condition is None or body is None or not condition.instructions or not body.instructions:
         return None
-    by_name = {i.name: i for i in condition.instructions}
-    root = condition.instructions[-1]
-    if root.opcode == "fusion" and root.calls and root.calls[0] in computations:  # compare(p0, p1) inside
-        body = computations[root.calls[0]]
-        inner = body.instructions[-1]
-        parameters = {i.name: int(i.arguments) for i in body.instructions if i.opcode == "parameter"}
-        if inner.opcode != "compare" or any(o not in parameters for o in inner.operands):
-            return None
-        root = Instruction(root.name, inner.shape, "compare", [root.operands[parameters[o]] for o in inner.operands],
-                           [], None, inner.attributes)
-    if root.opcode != "compare" or "direction=LT" not in root.attributes or len(root.operands) != 2:
+    test = _value(condition.instructions[-1].name, condition, computations, _loop_state)
+    if test is None or test[0] != "compare" or None in test[2:]:
         return None
-    counter, bound = (by_name.get(o) for o in root.operands)
-    if counter is None or bound is None or counter.opcode != "get-tuple-element" or bound.opcode != "constant":
+    _, direction, counter, bound = test
+    if counter[0] == "constant":  # `N > counter`: the counter on the left, `counter < N`
+        counter, bound, direction = bound, counter, _FLIPPED.get(direction)
+    if counter[0] != "counter" or bound[0] != "constant":
         return None
-    init = {i.name: i for i in computation.instructions}.get(loop.operands[0]) if loop.operands else None
-    start = 0  # scan and fori_loop counters start at 0 when the initial tuple does not say
-    if init is not None and init.opcode == "tuple":
-        element = {i.name: i for i in computation.instructions}.get(init.operands[int(counter.attribute("index"))])
-        if element is not None and element.opcode == "constant":
-            start = int(element.arguments)
-    return max(0, int(bound.arguments) - start)
+    _, index, offset = counter
+    update = _element(body.instructions[-1].name, index, body, computations, _loop_state)
+    if update is None or update[:2] != ("counter", index):
+        return None
+    init = _element(loop.operands[0], index, computation, computations, lambda _: None) if loop.operands else None
+    start = init[1] if init is not None and init[0] == "constant" else 0  # scan's and fori_loop's start at 0
+    return _trips(start + offset, update[2], bound[1], direction)
+
+
+def _loop_state(number: int) -> tuple | None:
+    """The parameters of a loop's condition and body: the loop's state."""
+    return ("state",) if number == 0 else None
+
+
+# A comparison with its operands swapped.
+_FLIPPED = {"LT": "GT", "GT": "LT", "LE": "GE", "GE": "LE", "EQ": "EQ", "NE": "NE"}
+# Operations that pass a loop counter on unchanged.
+_SAME_VALUE = {"copy", "convert", "bitcast", "reshape"}
+_SCALAR = re.compile(r"[a-z]+\d*\[\]")
+
+
+def _trips(start: int, step: int, bound: int, direction: str | None) -> int | None:
+    """How many times `for (i = start; i <direction> bound; i += step)` runs; None if it does not end
+    (or ends only when i overflows)."""
+    if direction in ("LE", "GE"):  # i <= N is i < N + 1, i >= N is i > N - 1
+        bound, direction = bound + (1 if direction == "LE" else -1), direction[0] + "T"
+    if direction == "LT":
+        return 0 if start >= bound else None if step <= 0 else -((start - bound) // step)
+    if direction == "GT":
+        return 0 if start <= bound else None if step >= 0 else -((bound - start) // -step)
+    if direction == "NE":
+        distance = bound - start
+        return 0 if distance == 0 else distance // step if step and distance % step == 0 and distance * step > 0 \
+            else None
+    if direction == "EQ":
+        return 0 if start != bound else 1 if step else None
+    return None
+
+
+def _value(name: str, computation: Computation, computations: dict[str, Computation], parameters) -> tuple | None:
+    """What a scalar of a loop's condition or body is, in terms of the loop's state: ("constant", c),
+    ("counter", i, c) (the state's element i plus c), ("compare", direction, a, b), ("state",) (the
+    state itself); None when it is anything else. `parameters(number)`: what the computation's
+    parameter of that number is (a fusion body's: its operand's value, found when asked: a fusion
+    that increments the counter may have large operands of its own)."""
+    inst = next((i for i in computation.instructions if i.name == name), None)
+    if inst is None or inst.opcode not in ("parameter", "get-tuple-element") and not _SCALAR.match(inst.shape):
+        return None  # a counter is a scalar: what computes arrays is not followed
+    if inst.opcode == "parameter":
+        return parameters(int(inst.arguments))
+    if inst.opcode == "constant":
+        return ("constant", int(inst.arguments)) if re.fullmatch(r"-?\d+", inst.arguments) else None
+    if inst.opcode == "get-tuple-element":
+        return _element(inst.operands[0], int(inst.attribute("index")), computation, computations, parameters)
+    if inst.opcode == "fusion" and inst.calls and inst.calls[0] in computations:
+        body = computations[inst.calls[0]]
+        return _value(body.instructions[-1].name, body, computations, _operands(inst, computation, computations,
+                                                                                parameters))
+    if inst.opcode not in _SAME_VALUE | {"compare", "add", "subtract"}:
+        return None
+    operands = [_value(o, computation, computations, parameters) for o in inst.operands]
+    if inst.opcode in _SAME_VALUE and operands:
+        return operands[0]
+    if inst.opcode == "compare" and len(operands) == 2:
+        return ("compare", inst.attribute("direction"), *operands)
+    if inst.opcode in ("add", "subtract") and len(operands) == 2 and None not in operands:
+        (a, *x), (b, *y) = operands
+        sign = 1 if inst.opcode == "add" else -1
+        if a == "counter" and b == "constant":
+            return ("counter", x[0], x[1] + sign * y[0])
+        if a == "constant" and b == "counter" and sign == 1:
+            return ("counter", y[0], y[1] + x[0])
+        if a == b == "constant":
+            return ("constant", x[0] + sign * y[0])
+    return None
+
+
+def _element(name: str, index: int, computation: Computation, computations: dict[str, Computation],
+             parameters) -> tuple | None:
+    """_value of element `index` of the tuple `name`: the loop's state, a tuple, or a fusion's tuple."""
+    inst = next((i for i in computation.instructions if i.name == name), None)
+    if inst is None:
+        return None
+    if inst.opcode == "tuple" and index < len(inst.operands):
+        return _value(inst.operands[index], computation, computations, parameters)
+    if inst.opcode == "fusion" and inst.calls and inst.calls[0] in computations:
+        body = computations[inst.calls[0]]
+        return _element(body.instructions[-1].name, index, body, computations,
+                        _operands(inst, computation, computations, parameters))
+    return ("counter", index, 0) if _value(name, computation, computations, parameters) == ("state",) else None
+
+
+def _operands(fusion: Instruction, computation: Computation, computations: dict[str, Computation], parameters):
+    """The parameters of a fusion's body: its operands' values, each found when asked."""
+    return lambda number: (_value(fusion.operands[number], computation, computations, parameters)
+                           if number < len(fusion.operands) else None)
 
 
 def runs_per_call(computations: dict[str, Computation]) -> tuple[dict[str, int], set[str]]:
