@@ -60,13 +60,16 @@ def test_a_kernel_that_states_its_flops_costs_them():
     assert (call("jit(step)/some_kernel/pallas_call").kind, call("jit(step)/pallas_call").flops) == ("memory", 0)
 
 
-def test_one_elementwise_kernel_is_bound_by_memory():
-    text = module("""%fused_add (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
+FUSED_ADD = """%fused_add (p0: f32[1000], p1: f32[1000]) -> f32[1000] {
   %p0 = f32[1000]{0} parameter(0)
   %p1 = f32[1000]{0} parameter(1)
   %exp.1 = f32[1000]{0} exponential(%p0)
   ROOT %add.1 = f32[1000]{0} add(%exp.1, %p1)
-}""", entry="""ENTRY %main (x: f32[1000], y: f32[1000]) -> f32[1000] {
+}"""
+
+
+def test_one_elementwise_kernel_is_bound_by_memory():
+    text = module(FUSED_ADD, entry="""ENTRY %main (x: f32[1000], y: f32[1000]) -> f32[1000] {
   %x = f32[1000]{0} parameter(0)
   %y = f32[1000]{0} parameter(1)
   ROOT %fusion.1 = f32[1000]{0} fusion(%x, %y), kind=kLoop, calls=%fused_add
@@ -74,6 +77,22 @@ def test_one_elementwise_kernel_is_bound_by_memory():
     [kernel] = step(text).kernels
     assert (kernel.kind, kernel.flops, kernel.other_flops, kernel.bytes) == ("memory", 0, 2000, 3 * 4000)
     assert kernel.seconds == pytest.approx(max(2000 / 1e11, 12000 / 1e10) + 1e-6)
+
+
+def test_an_asynchronous_fusion_costs_the_fusion_it_runs_once():
+    """XLA (jax 0.11) writes an asynchronous fusion as fusion-start (its operands, the fused
+    computation it calls), fusion-update and fusion-done: the start costs that fusion, as a
+    synchronous one would (above); the update and the done cost nothing."""
+    text = module(FUSED_ADD, entry="""ENTRY %main (x: f32[1000], y: f32[1000]) -> f32[1000] {
+  %x = f32[1000]{0} parameter(0)
+  %y = f32[1000]{0} parameter(1)
+  %fusion-start.1 = ((f32[1000]{0}, f32[1000]{0}), f32[1000]{0}, s32[]) fusion-start(%x, %y), kind=kLoop, calls=%fused_add
+  %fusion-update.1 = ((f32[1000]{0}, f32[1000]{0}), f32[1000]{0}, s32[]) fusion-update(%fusion-start.1)
+  ROOT %fusion-done.1 = f32[1000]{0} fusion-done(%fusion-update.1)
+}""")
+    [kernel] = step(text).kernels
+    assert (kernel.name, kernel.kind, kernel.runs) == ("fusion-start.1", "memory", 1)
+    assert (kernel.flops, kernel.other_flops, kernel.bytes) == (0, 2000, 3 * 4000)
 
 
 IN_PLACE_LOOP = module("""%fused_update (param_0: f32[4,256], param_1: s32[], param_2: f32[256]) -> f32[4,256] {

@@ -28,7 +28,7 @@ from seqax.analysis import hlo
 from seqax.analysis.communication import collective_shape, sent_bytes
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-# Instructions that move no data of their own: views, tuples, control, the end of an async op.
+# Instructions that move no data of their own: views, tuples, control (and an async op's update and done).
 PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
             "replica-id", "opt-barrier", "add-dependency", "iota"}
 # Operations that only move or view data inside a fusion: no FLOP.
@@ -255,7 +255,7 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
         computation = module.computations[name]
         for inst in computation.instructions:
             op, operands = inst.opcode, program.operand_shapes(name, inst)
-            if op in PLUMBING or op.endswith("-done") or op == "async-done":
+            if op in PLUMBING or op.endswith(("-done", "-update")):  # an async op's later halves: its start costs it
                 continue
             if op == "while":
                 known = hlo.loop_trips(inst, computation, module.computations)
@@ -280,7 +280,7 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                     visit(inst.calls[0], runs, outer_trips, out)
             elif op.removesuffix("-start") in COLLECTIVES:
                 collective(name, inst, runs, out, asynchronous=op.endswith("-start"))
-            elif op == "fusion":
+            elif op in ("fusion", "fusion-start"):  # fusion-start: an asynchronous fusion, calling its fused body
                 matmul, other, nbytes = program.fusion_cost(name, inst)
                 add(name, inst, runs, out, "matmul" if matmul else "memory", matmul, other, nbytes)
             elif op == "custom-call":
