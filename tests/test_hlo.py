@@ -131,3 +131,9 @@ def test_a_loop_stepping_by_two_or_three_runs_its_body_that_many_times():
 def test_the_trip_count_the_compiler_wrote_comes_first():
     text = loop_module(0, 2, 12, "LT", backend_config=', backend_config={"known_trip_count":{"n":"5"}}')
     assert trips_of(text) == 5
+
+
+def test_the_graph_draws_a_loop_with_the_trips_read_from_it():
+    """The TPU compiler writes no trip count: the graph's loop says the 6 trips of i from 0 by 2 below 12."""
+    dot = hlo_graph.to_dot(loop_module(0, 2, 12, "LT"), "f")
+    assert "while x6" in dot and "(x6)" in dot

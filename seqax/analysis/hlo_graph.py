@@ -8,7 +8,7 @@ and jaxlib's private renderer has moved between releases. The text of `Compiled.
 public; hlo.py parses it.
 """
 
-from seqax.analysis.hlo import Computation, Instruction, entry, parse_hlo
+from seqax.analysis.hlo import Computation, Instruction, entry, loop_trips, parse_hlo
 
 COLLECTIVES = {"all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "all-gather-start", "all-reduce-start", "collective-permute-start"}
@@ -17,7 +17,8 @@ MATMULS = {"dot", "convolution"}
 PASS_THROUGH = {"get-tuple-element", "tuple", "bitcast", "constant", "copy", "parameter"}
 
 
-def _label_and_colour(inst: Instruction, computations: dict[str, Computation]) -> tuple[str, str]:
+def _label_and_colour(inst: Instruction, computation: Computation,
+                      computations: dict[str, Computation]) -> tuple[str, str]:
     """The node's text (the instruction's name, as in the profiler trace, its operation and its
     shape) and fill colour."""
     ops = {inst.opcode}
@@ -28,7 +29,7 @@ def _label_and_colour(inst: Instruction, computations: dict[str, Computation]) -
                 or sorted(ops & {"reduce", "scatter", "gather", "dynamic-update-slice"}) or ["elementwise"])
         operation = f"fusion: {'+'.join(main)}"
     elif inst.opcode == "while":
-        operation = f"while x{inst.trip_count or '?'}"
+        operation = f"while x{loop_trips(inst, computation, computations) or '?'}"
     colour = ("lightgrey" if inst.opcode == "while" else "lightblue" if ops & MATMULS
               else "orange" if ops & COLLECTIVES else "white")
     shape = "tuple" if inst.shape.startswith("(") else inst.shape.split("{")[0]
@@ -56,7 +57,7 @@ def _computation_lines(computation: Computation, index: int, computations: dict[
     for inst in computation.instructions:
         if not _is_shown(computation, inst):
             continue
-        label, colour = _label_and_colour(inst, computations)
+        label, colour = _label_and_colour(inst, computation, computations)
         lines.append(f'"{index}:{inst.name}" [label="{label}", fillcolor="{colour}"];')
         for source in dict.fromkeys(p for operand in inst.operands for p in producers(operand)):
             lines.append(f'"{index}:{source}" -> "{index}:{inst.name}";')
@@ -70,7 +71,7 @@ def to_dot(text: str, title: str = "training step") -> str:
     for computation, _ in shown:  # while bodies, found breadth-first (the list grows)
         for inst in computation.instructions:
             if inst.opcode == "while" and inst.calls and inst.calls[0] in computations:
-                shown.append((computations[inst.calls[0]], inst.trip_count))
+                shown.append((computations[inst.calls[0]], loop_trips(inst, computation, computations)))
     # Layout effort capped (crossing minimization and network simplex passes): with the layers unrolled
     # the step's graph has thousands of nodes, and dot's default effort took 83 s on local_test_synthetic
     # where these limits take 4 s, with more crossed edges.
