@@ -292,3 +292,19 @@ def test_a_weight_no_class_has_a_place_for_is_refused_in_one_line(extra, line):
     with pytest.raises(ConfigError) as error:
         export_hf.hf_tensors(with_layer_weights(h, **extra), h)
     assert line in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["llama", "glm4_moe"])
+def test_a_model_without_a_weight_the_class_computes_with_is_refused_in_one_line(moe):
+    """An edit that removes a weight (a squared-ReLU MLP without SwiGLU's w_gate, README's third edit) stops
+    the export with one line naming it: no class the export writes computes that model. (A KeyError-like
+    traceback from hf_tensors is what it was.)"""
+    h = tiny_config("model.n_kv=2", *(MOE if moe else ())).model
+    w = jax.device_get(train.init_weights(h, jax.random.key(0)))
+    without_gate = {"embed": w.embed, "final_norm": w.final_norm, "unembed": w.unembed,
+                    "layers": {name: x for name, x in vars(w.layers).items() if name != "w_gate"}}
+    with pytest.raises(ConfigError) as error:
+        export_hf.hf_tensors(without_gate, h)
+    model = "Glm4Moe" if moe else "Llama"
+    assert f"lacks weights that a Hugging Face {model} computes with: ['layers.w_gate']" in str(error.value)
+    assert "\n" not in str(error.value)

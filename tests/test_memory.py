@@ -6,6 +6,7 @@ import math
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import train
@@ -16,9 +17,10 @@ from seqax.shardlib.shardtypes import leaf_dims
 
 
 def test_memory_report_follows_save_for_backward(monkeypatch):
-    """A value marked with save_for_backward shows up in the estimate by itself. Here the
-    sigmoid of the SwiGLU gate (float32 [B/d, L, F/t], which the backward pass needs and
-    otherwise recomputes) is marked too."""
+    """A value marked with save_for_backward shows up in the estimate by itself. Here the MLP block's
+    output (float32 [B/d, L, M], partial sums over t), whatever the block computes, is squared, so that the
+    backward pass needs it, and marked: it is saved instead of computed again. (Marked but unsquared it
+    would not be: the residual add and the reduce-scatter after it need nothing of it for backward.)"""
     cfg = tiny_config()
     mesh = make_mesh(4, 2)
     state = abstract_state(cfg, mesh)
@@ -26,13 +28,13 @@ def test_memory_report_follows_save_for_backward(monkeypatch):
         # A new function object each time: JAX caches the trace of a checkpointed function by its identity.
         before = memory.memory_estimate(state, memory.memory_annotations(
             cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward), train.MUON)
-        sigmoid = jax.nn.sigmoid
-        monkeypatch.setattr(jax.nn, "sigmoid", lambda x: save_for_backward(sigmoid(x)))
+        mlp_block = train.mlp_block
+        monkeypatch.setattr(train, "mlp_block", lambda *args: jnp.square(save_for_backward(mlp_block(*args))))
         after = memory.memory_estimate(state, memory.memory_annotations(
             cfg, mesh, state, partial(train.training_layer, cfg.model), train.forward), train.MUON)
     saved = lambda terms: next(size for name, size in terms[0] if name.startswith("saved for backward"))  # noqa: E731
-    B, L, F = cfg.training.tokens.batch // 4, cfg.training.tokens.len, cfg.model.d_ff // 2
-    assert saved(after) - saved(before) == B * L * F * 4 * cfg.model.layers
+    B, L, M = cfg.training.tokens.batch // 4, cfg.training.tokens.len, cfg.model.d_model
+    assert saved(after) - saved(before) == B * L * M * 4 * cfg.model.layers
     assert len(after[1]) == len(before[1]) + 1
 
 

@@ -3,7 +3,9 @@ on every position and weighs the outputs: dropless dispatch, the router, the gat
 and the bias's update, on meshes of 8 devices; and MoE training runs that agree across meshes and
 resume after kill -9."""
 
+import dataclasses
 import json
+import math
 import operator
 import os
 import subprocess
@@ -33,7 +35,7 @@ from fixtures import (
     train_args,
 )
 from reference import weights_to_dicts
-from seqax.shardlib.shardtypes import bool_, f32, make_shardings, typed_shard_map, u32
+from seqax.shardlib.shardtypes import bool_, f32, leaf_dims, make_shardings, typed_shard_map, u32
 
 # The tiny model with 8 experts of H 32 (a mesh of 8 devices splits them over d and H over t), 2 a token, blocks
 # of 8 rows, and the dense SwiGLU kept as a shared expert.
@@ -186,12 +188,24 @@ def test_a_step_moves_each_bias_by_the_rate_against_its_load():
 
 
 def test_model_flops_count_the_active_experts_only():
-    """8 experts of half the dense d_ff, 2 a token: the dense model's FLOPs per token plus the router's."""
-    dense = tiny_config()
-    moe = tiny_config("model.d_ff=0", "+model.experts=8", "+model.experts_per_token=2",
-                      f"+model.expert_d_ff={dense.model.d_ff // 2}")
-    router = 3 * 2 * dense.model.layers * dense.model.d_model * 8
-    assert train.model_flops_per_token(moe.model, 16) == train.model_flops_per_token(dense.model, 16) + router
+    """A token goes through experts_per_token of the E experts: the FLOPs per token grow with
+    experts_per_token by one expert's matrices (their sizes read off init_weights, whatever the experts
+    compute) and with E only by the router's E columns, 2 x 3 FLOPs an element (forward + backward)."""
+    def shapes_and_flops(experts: int, per_token: int):
+        arch = tiny_config(f"+model.experts={experts}", f"+model.experts_per_token={per_token}",
+                           "+model.expert_d_ff=32", "+model.expert_block=8").model
+        shapes = jax.eval_shape(lambda: train.init_weights(arch, jax.random.key(0))).layers
+        return shapes, train.model_flops_per_token(arch, 16)
+
+    shapes, two = shapes_and_flops(8, 2)
+    _, four = shapes_and_flops(8, 4)
+    wider, twice_the_experts = shapes_and_flops(16, 2)
+    # The experts' matrices: the Layer weights of 2 or more dimensions that E leads (after the layers').
+    one_expert = sum(math.prod(getattr(shapes, field.name).shape[2:])
+                     for field, dims in zip(dataclasses.fields(train.Layer), leaf_dims(train.Layer), strict=True)
+                     if len(dims) > 2 and dims[0].name == "E")
+    assert one_expert and four - two == 6 * 2 * one_expert * shapes.router.shape[0]
+    assert twice_the_experts - two == 6 * (wider.router.size - shapes.router.size)
 
 
 # ---------------------------------------------------------------------------------------------

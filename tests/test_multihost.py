@@ -90,7 +90,13 @@ def test_two_processes_match_one_and_checkpoints_move_between_process_counts(set
     output = launched.communicate(timeout=300)[0]
     assert launched.returncode == 0, output[-3000:]
     two = losses(tmp_path / "two")
-    assert sorted(two) == [0, 1, 2, 3] and all(close(two[s], expected[s], 1e-6) for s in (0, 1, 2)), (two, expected)
+    # Step 0, the same weights and rows: the forward's float32 sums in another order (8.6e-8 measured). Steps 1
+    # and 2 follow updates of gradients summed across processes in another order, which bfloat16's rounding
+    # and Muon amplify: one device with its rows reversed (python -m bench.mesh_agreement --rows-reversed:
+    # the same math, sums reordered) moves them by up to 2.6e-5 (docs/moe.md), QK-norm's scratch edit
+    # these two processes by 1.0e-5; so 1e-4, as test_optimizer's meshes.
+    assert sorted(two) == [0, 1, 2, 3] and close(two[0], expected[0], 1e-6), (two, expected)
+    assert all(close(two[s], expected[s], 1e-4) for s in (1, 2)), (two, expected)
     one_eval, two_eval = (next(line for line in map(json.loads, open(tmp_path / name / "metrics.jsonl"))
                                if line.get("step") == 3 and "eval_loss" in line) for name in ("one", "two"))
     assert close(two_eval["eval_loss"], one_eval["eval_loss"], 1e-4), (one_eval, two_eval)

@@ -85,13 +85,18 @@ def hf_class(h, qk_norm: bool) -> str:
 
 def check_weights(w, h) -> bool:
     """Whether train.Model numpy weights `w` have QK-norm's gains. A weight that the class has no place for
-    (a model edit other than QK-norm) stops the export: it would be dropped. An empty one (a dense model's
-    experts) holds nothing."""
-    shapes = {jax.tree_util.keystr(path, simple=True, separator="."): x.shape
-              for path, x in jax.tree_util.tree_flatten_with_path(w)[0] if x.size}
+    (a model edit other than QK-norm) stops the export: it would be dropped; so does one the class computes
+    with that the model lacks (an edit that removed it). An empty one (a dense model's experts) holds nothing."""
+    every = {jax.tree_util.keystr(path, simple=True, separator="."): x
+             for path, x in jax.tree_util.tree_flatten_with_path(w)[0]}
+    shapes = {name: x.shape for name, x in every.items() if x.size}
     qk_norm = bool(shapes.keys() & QK_NORM_WEIGHTS)
     known = LLAMA_WEIGHTS | (EXPERT_WEIGHTS if h.experts else set()) | (QK_NORM_WEIGHTS if qk_norm else set())
     model = hf_class(h, qk_norm).removesuffix("ForCausalLM")
+    if known - QK_NORM_WEIGHTS - every.keys():  # an edit that removed a weight (a gate-less MLP)
+        raise ConfigError(f"the model lacks weights that a Hugging Face {model} computes with: "
+                          f"{sorted(known - QK_NORM_WEIGHTS - every.keys())}; no transformers class the export "
+                          "writes computes this model, so it exports none (extend tools/export_hf.py for it)")
     if shapes.keys() - known:
         raise ConfigError(f"the model has weights that a Hugging Face {model} has no place for: "
                           f"{sorted(shapes.keys() - known)}; tools/export_hf.py's hf_tensors would drop them, so it "
