@@ -84,4 +84,5 @@ test-fast: lint
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) $(COMPILERS) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs
+	rm -rf $(VENV) $(COMPILERS) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs hf_model lm_eval_tasks \
+		text_runs.png

@@ -50,9 +50,11 @@ THREAD_EXIT_SECONDS = 5  # how long a test's threads may take to finish after it
 # loop and the workers of that loop's default executor, tqdm's monitor of progress bars.
 LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
 # Environment variables that pytest or a library sets for itself on import: torch; scikit-learn
-# (lm-eval's, which `datasets` imports where it is installed); JAX's Mosaic GPU, which Pallas imports
-# when it first lowers a kernel (its MOSAIC_GPU_* paths: jax 0.11 with a CUDA plugin sets several).
-OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "MOSAIC_GPU_")
+# (lm-eval's, which `datasets` imports where it is installed); tensorboardX (its CRC32C mode, as train.py's
+# records import it); JAX's Mosaic GPU, which Pallas imports when it first lowers a kernel (its MOSAIC_GPU_*
+# paths: jax 0.11 with a CUDA plugin sets several).
+OWN_VARIABLES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "CRC32C_SW_MODE",
+                 "MOSAIC_GPU_")
 # Modules whose functions tests monkeypatch (always undone by the monkeypatch fixture).
 PATCHED_MODULES = ("jax", "jax.nn", "jax.numpy", "jax.lax", "jax.random", "jax.profiler", "shutil")
 

@@ -83,3 +83,17 @@ def test_make_tools_installs_what_the_tools_import():
             "datasets"} <= tools
     with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
         assert "-r requirements-tools.txt" in f.read().splitlines()
+
+
+def test_the_export_without_torch_is_one_line_naming_make_tools_and_leaves_no_output(tmp_path, monkeypatch, capsys):
+    """The export checks its logits with transformers on torch (requirements-tools.txt): without them it stops
+    with the one line that names `make tools`, and nothing of the export is left."""
+    from fixtures import checkpointed_bytes_run
+    from tools import export_hf
+
+    run_dir = checkpointed_bytes_run(tmp_path)
+    hide(monkeypatch, "torch", "transformers")
+    export = ["--run-dir", run_dir, "--output", str(tmp_path / "hf")]
+    line = one_error_line(capsys, lambda: export_hf.main(export))
+    assert line == "seqax: error: the export's logits check needs the `torch` package, which is not installed: " + INSTALL
+    assert sorted(os.listdir(tmp_path)) == ["data.zarr", "run"]

@@ -14,6 +14,7 @@ import numpy as np
 import train
 from seqax.config import ConfigError, DatasetError, ModelConfig
 from seqax.data.flat_tokens import open_flat_tokens
+from seqax.optional import require
 from seqax.shardlib.shardtypes import bool_, f32, typed_shard_map, u32
 
 ROWS, LENGTH = 4, 32  # tokens the check runs: a few seconds of both models on a CPU
@@ -59,12 +60,8 @@ def seqax_logits(arch: ModelConfig, weights: train.Model, mesh, inputs: np.ndarr
 def transformers_logits(directory: str, class_name: str, inputs: np.ndarray) -> np.ndarray:
     """The logits [rows, LENGTH, V] of the exported model in `directory`, loaded by transformers in float32.
     A weight the class did not read or did not find stops the export (it would be dropped, or left at init)."""
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        raise ConfigError("the export checks its logits with transformers and torch, which are not installed: "
-                          ".venv/bin/pip install -r requirements-dev.txt") from None
+    torch = require("torch", "the export's logits check")
+    transformers = require("transformers", "the export's logits check")
     # Its notes, warnings (torch's for d_ff 0's empty shared expert) and progress bar, all on stderr, would
     # bury the export's line; they are set back after.
     verbosity, bar = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()

@@ -290,8 +290,8 @@ def export(run_dir: str, output: str, step: int | None = None, dataset: str | No
         from safetensors import SafetensorError
         from safetensors.numpy import save_file
     except ImportError:
-        raise ConfigError("the export writes safetensors, which is not installed: "
-                          ".venv/bin/pip install -r requirements-dev.txt") from None
+        raise ConfigError("the export writes safetensors, which is not installed: it is in requirements.txt, "
+                          "which `make` installs") from None
     run = load_run_config(run_dir)
     if run.model.experts:
         check_expressible(run.model)
