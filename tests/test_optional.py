@@ -95,5 +95,6 @@ def test_the_export_without_torch_is_one_line_naming_make_tools_and_leaves_no_ou
     hide(monkeypatch, "torch", "transformers")
     export = ["--run-dir", run_dir, "--output", str(tmp_path / "hf")]
     line = one_error_line(capsys, lambda: export_hf.main(export))
-    assert line == "seqax: error: the export's logits check needs the `torch` package, which is not installed: " + INSTALL
+    assert line == ("seqax: error: the export's logits check needs the `torch` package, which is not installed: "
+                    + INSTALL)
     assert sorted(os.listdir(tmp_path)) == ["data.zarr", "run"]
