@@ -143,7 +143,6 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         if kernel.kind != "collective":
             seconds[category(kernel)] += kernel.total_seconds
     seconds["communication (exposed)"] = model.exposed_communication_seconds
-    matmul_flops = sum(k.flops * k.runs for k in model.kernels)
     costliest = sorted((k for k in model.kernels if k.kind != "collective"), key=lambda k: -k.total_seconds)[:top]
     return {
         "config": config, "target": target.name, "devices": devices, "topology": target.topology(devices)[0],
@@ -157,7 +156,8 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "communication_seconds": model.synchronous_seconds + model.asynchronous_seconds,
         "step_seconds": model.step_seconds, "tokens_per_second": tokens / model.step_seconds,
         "mfu_ceiling": model_flops / (model.step_seconds * target.peak_flops),
-        "model_tflop_per_device": model_flops / 1e12, "hlo_matmul_tflop_per_device": matmul_flops / 1e12,
+        "model_tflop_per_device": model_flops / 1e12, "hlo_matmul_tflop_per_device": model.matmul_flops / 1e12,
+        "hlo_recomputed_matmul_tflop_per_device": model.recomputed_matmul_flops / 1e12,
         "kernels_per_step": model.launches,
         "seconds_by_kind": {kind: seconds[kind] for kind in KINDS},
         "costliest": [{"name": k.name, "kind": category(k), "runs": k.runs, "seconds": k.total_seconds,
@@ -178,7 +178,8 @@ def report(row: dict) -> str:
              f"{row['communication_seconds'] * 1e3:.1f} ms at the links' bandwidth",
              f"  roofline: step {row['step_seconds'] * 1e3:.1f} ms, {row['tokens_per_second']:,.0f} tokens/s, "
              f"MFU ceiling {row['mfu_ceiling']:.1%} ({row['model_tflop_per_device']:.1f} model TFLOP per device; "
-             f"the HLO's matmuls {row['hlo_matmul_tflop_per_device']:.1f}); {row['kernels_per_step']:,.0f} kernels",
+             f"the HLO's matmuls {row['hlo_matmul_tflop_per_device']:.1f}, recomputed for backward "
+             f"{row['hlo_recomputed_matmul_tflop_per_device']:.1f}); {row['kernels_per_step']:,.0f} kernels",
              "  where the time goes:"]
     lines += [f"    {kind:<30} {seconds * 1e3:9.1f} ms {seconds / row['step_seconds']:6.1%}"
               for kind, seconds in row["seconds_by_kind"].items()]

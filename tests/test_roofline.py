@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from seqax.analysis import roofline
 from seqax.analysis.hlo import parse_module
@@ -373,3 +374,27 @@ def test_a_ragged_all_to_all_sends_a_balanced_share_of_its_smaller_buffer():
     there, back = by_name["ragged-all-to-all-start.1"], by_name["ragged-all-to-all.2"]
     assert there.asynchronous and not back.asynchronous
     assert there.bytes == back.bytes == 0.75 * 16000
+
+
+@pytest.mark.parametrize("saved", [(), ("a",), ("a", "b")])
+def test_the_matmuls_the_backward_pass_computes_again_are_counted_apart(saved):
+    """jax.checkpoint's backward pass computes again the values its policy does not keep. Here 3 layers (a
+    scan, as train.py's) of tanh(sin(x w1) w2), x [8, 16], w1 and w2 [16, 16]: the sine's derivative needs
+    a = x w1 and the tanh's b = sin(a) w2, so each of the two matmuls not saved runs again in every layer's
+    backward: recomputed_matmul_flops counts those, out of matmul_flops (each matmul forward, its two
+    gradients, and what is recomputed). Unlooped, XLA may merge a recomputation into the forward pass's."""
+    def layer(x, w):
+        a = checkpoint_name(x @ w[0], "a")
+        return jnp.tanh(checkpoint_name(jnp.sin(a) @ w[1], "b")), None
+
+    def loss(x, w):
+        policy = jax.checkpoint_policies.save_only_these_names(*saved)
+        return jnp.sum(lax.scan(jax.checkpoint(layer, policy=policy), x, w)[0])
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    shapes = jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((3, 2, 16, 16), jnp.float32)
+    model = step(grad.lower(*shapes).compile().as_text())
+    matmul = 2 * 8 * 16 * 16
+    recomputed = 3 * matmul * (2 - len(saved))
+    assert model.recomputed_matmul_flops == recomputed
+    assert model.matmul_flops == 3 * 3 * 2 * matmul + recomputed

@@ -341,6 +341,20 @@ class Roofline:
     def step_seconds(self) -> float:
         return self.compute_seconds + self.exposed_communication_seconds
 
+    @property
+    def matmul_flops(self) -> float:
+        return sum(k.flops * k.runs for k in self.kernels)
+
+    @property
+    def recomputed_matmul_flops(self) -> float:
+        """The part of matmul_flops that the backward pass computes again: what jax.checkpoint recomputes
+        (a value its policy did not save: for train.py, one not marked save_for_backward) carries JAX's name
+        RECOMPUTED in its op_name."""
+        return sum(k.flops * k.runs for k in self.kernels if RECOMPUTED in k.op_name.split("/"))
+
+
+RECOMPUTED = "rematted_computation"  # the name scope JAX's remat gives the forward pass it computes again
+
 
 def roofline(hlo_text: str, rates: Rates) -> Roofline:
     """The roofline of a compiled program (Compiled.as_text() of the target's compiler)."""
