@@ -81,9 +81,17 @@ def run_child(name: str, args, timeout: float) -> Row:
                    "--steps", str(args.steps), "--warmup", str(args.warmup), "--", *args.overrides]
         timed_out = False
         with open(log_file, "w") as log:
-            child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+            # A stop that arrives while Popen starts the child waits until `child` is set, inside the try:
+            # raised in Popen, it would leave the child running with nothing to kill it.
+            STOPS["deferred"] = True
             try:
+                child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            finally:
+                STOPS["deferred"] = False
+            try:
+                if STOPS["pending"]:
+                    stop(STOPS["pending"].pop(), None)
                 child.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -179,16 +187,25 @@ def parse_args(argv):
     return args
 
 
-def exit_on_sigterm(signum, frame):
-    """SIGTERM (a timeout of the command that runs this, a job ending) raises SystemExit, so that
-    run_child's `finally` kills the running child's process group: a child left behind would
-    keep its share of the GPU's memory."""
+STOPS = {"deferred": False, "pending": []}  # while run_child starts a child, stops wait in "pending"
+
+
+def stop(signum, frame):
+    """SIGTERM (a timeout of the command that runs this, a job ending) raises SystemExit and Ctrl-C
+    KeyboardInterrupt, so that run_child's `finally` kills the running child's process group: a child
+    left behind would keep its share of the GPU's memory."""
+    if STOPS["deferred"]:
+        STOPS["pending"].append(signum)
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     sys.exit(128 + signum)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     rows = run_all(args)
     if args.json:
         with open(args.json, "w") as f:

@@ -5,12 +5,14 @@ and the ladder configs (complete, valid, the size their names say, and fitting t
 with room to spare). bench/compare_commits.py against HEAD. bench/mesh_agreement.py's table and
 its one-line refusals."""
 
+import argparse
 import dataclasses
 import gzip
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -385,3 +387,27 @@ def test_mesh_agreement_refuses_a_bad_mesh_config_or_dataset_in_one_line(tmp_pat
             mesh_agreement.main(["--meshes", "1x1x1", mesh, "--", *overrides])
         line = str(refused.value.code)
         assert line.startswith(start) and part in line and "\n" not in line, line
+
+
+def test_throughput_kills_a_child_whose_start_a_sigterm_interrupts(tmp_path, monkeypatch):
+    """SIGTERM that arrives while Popen is still starting the child (before run_child holds it) waits until it
+    does, then stops the run with the child killed; raised inside Popen, it left the child running (the test
+    above, when its SIGTERM came that early, leaked a measure_step at full CPU)."""
+    started = []
+
+    def popen_then_sigterm(command, **kwargs):
+        started.append(real_popen(["sleep", "60"], **kwargs))  # the child is running ...
+        os.kill(os.getpid(), signal.SIGTERM)  # ... when SIGTERM comes, before Popen returns
+        return started[-1]
+
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(throughput.subprocess, "Popen", popen_then_sigterm)
+    previous = signal.signal(signal.SIGTERM, throughput.stop)
+    try:
+        args = argparse.Namespace(steps=1, warmup=0, overrides=[], timeout=60)
+        with pytest.raises(SystemExit) as stopped:
+            throughput.run_child("local_test_synthetic", args, timeout=60)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert started and started[0].poll() == -signal.SIGKILL  # killed and reaped
