@@ -305,6 +305,6 @@ def test_a_model_without_a_weight_the_class_computes_with_is_refused_in_one_line
                     "layers": {name: x for name, x in vars(w.layers).items() if name != "w_gate"}}
     with pytest.raises(ConfigError) as error:
         export_hf.hf_tensors(without_gate, h)
-    model = "Glm4Moe" if moe else "Llama"
+    model = export_hf.hf_class(h, qk_norm="q_norm" in without_gate["layers"]).removesuffix("ForCausalLM")
     assert f"lacks weights that a Hugging Face {model} computes with: ['layers.w_gate']" in str(error.value)
     assert "\n" not in str(error.value)

@@ -111,7 +111,7 @@ def test_export_without_safetensors_is_one_line_with_the_install_command(run_dir
     monkeypatch.setitem(sys.modules, "safetensors", None)  # import fails as when not installed
     monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
     line = one_error_line(capsys, lambda: export_hf.main(["--run-dir", run_dir, "--output", str(tmp_path / "hf")]))
-    assert "safetensors, which is not installed: .venv/bin/pip install -r requirements-dev.txt" in line
+    assert "safetensors, which is not installed: it is in requirements.txt, which `make` installs" in line
     assert os.listdir(tmp_path) == []
 
 
