@@ -41,19 +41,21 @@ $(COMPILERS)/.installed: requirements.txt requirements-compilers.txt pyproject.t
 
 compilers: $(COMPILERS)/.installed
 
-synthetic_dataset.zarr: $(VENV)/.installed
+# The datasets need the venv, not a newer one: order-only (after |), so that reinstalling (a pull that changes
+# requirements.txt) does not make them stale, which their writers refuse to overwrite.
+synthetic_dataset.zarr: | $(VENV)/.installed
 	$(VENV)/bin/python -m tools.write_synthetic_dataset --output $@
 
 train: $(VENV)/.installed synthetic_dataset.zarr
 	$(DEVICES) $(VENV)/bin/python -m train --config-name=local_test_synthetic +paths.model_name=$(RUN) $(ARGS)
 
 # Real text that exists wherever Python does: the standard library's own source (no tests).
-text_dataset.zarr: $(VENV)/.installed
+text_dataset.zarr: | $(VENV)/.installed
 	$(VENV)/bin/python -m tools.prepare_dataset "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" \
 		--suffixes .py --exclude '*/site-packages/*' '*/test/*' '*/tests/*' '*/idle_test/*' --validation-documents 20 --output $@
 
 # A multiple-choice task from the text's validation files (which line comes next?), scored at every evaluation.
-text_choices.jsonl: $(VENV)/.installed text_dataset.zarr
+text_choices.jsonl: text_dataset.zarr | $(VENV)/.installed
 	$(VENV)/bin/python -m tools.make_choice_task --dataset text_dataset.zarr --output $@
 
 train-text: $(VENV)/.installed text_dataset.zarr text_choices.jsonl
