@@ -93,10 +93,10 @@ def check_weights(w, h) -> bool:
     qk_norm = bool(shapes.keys() & QK_NORM_WEIGHTS)
     known = LLAMA_WEIGHTS | (EXPERT_WEIGHTS if h.experts else set()) | (QK_NORM_WEIGHTS if qk_norm else set())
     model = hf_class(h, qk_norm).removesuffix("ForCausalLM")
-    if known - QK_NORM_WEIGHTS - every.keys():  # an edit that removed a weight (a gate-less MLP)
-        raise ConfigError(f"the model lacks weights that a Hugging Face {model} computes with: "
-                          f"{sorted(known - QK_NORM_WEIGHTS - every.keys())}; no transformers class the export "
-                          "writes computes this model, so it exports none (extend tools/export_hf.py for it)")
+    if missing := known - every.keys():  # an edit that removed a weight (a gate-less MLP)
+        raise ConfigError(f"the model lacks weights that a Hugging Face {model} computes with: {sorted(missing)}; no "
+                          "transformers class the export writes computes this model, so it exports none (extend "
+                          "tools/export_hf.py for it)")
     if shapes.keys() - known:
         raise ConfigError(f"the model has weights that a Hugging Face {model} has no place for: "
                           f"{sorted(shapes.keys() - known)}; tools/export_hf.py's hf_tensors would drop them, so it "
