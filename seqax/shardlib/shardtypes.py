@@ -361,8 +361,10 @@ def _without_empty_arrays(f, mesh, in_specs, out_specs, args):
     several devices, a shard_map that an array of no elements flows through (a segfault, jax
     0.11.2; a dense model's experts are such arrays). Inside, each is zeros of its per-device shape,
     varying over its spec's mesh axes; outside, zeros of its global shape. Which outputs are empty is
-    known only from f's result, so f is traced twice where an argument is empty (jax.eval_shape
-    first: about a second for gpu1_1b's step), and once where none is."""
+    known only from f's result: jax.eval_shape of a shard_map of every output finds them, then a
+    shard_map of the others runs. f is traced once either way: `call` is jitted, so the second
+    shard_map finds its trace in jit's cache (the step's trace, a second on local_test_synthetic, is not
+    paid twice; the optimized HLO is the same but for metadata)."""
     in_tree = jax.tree.structure(in_specs, is_leaf=_is_spec)
     parts = in_tree.flatten_up_to(args)  # an array, or None where a Masked leaf is absent
     specs = jax.tree.leaves(in_specs, is_leaf=_is_spec)
@@ -373,6 +375,7 @@ def _without_empty_arrays(f, mesh, in_specs, out_specs, args):
     out_tree = jax.tree.structure(out_specs, is_leaf=_is_spec)
     out_specs_flat = jax.tree.leaves(out_specs, is_leaf=_is_spec)
 
+    @jax.jit
     def call(*kept_parts):
         whole = dict(zip(kept, kept_parts))
         for i, x in empty.items():
