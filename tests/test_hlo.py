@@ -29,6 +29,14 @@ def loop_hlo() -> str:
     return compiled_loop().as_text()
 
 
+def test_every_element_type_is_read_with_its_size():
+    """Each element type as XLA writes it, float8's included (a tuple's elements one by one): a type the
+    reading missed counted no bytes and no FLOPs, as every float8 matmul once did."""
+    shape = "(f8e4m3fn[1024,512]{1,0}, f8e5m2[4]{0}, bf16[2,3]{1,0}, f32[], pred[8]{0}, s32[2]{0})"
+    assert [t for t, _ in hlo.arrays(shape)] == ["f8e4m3fn", "f8e5m2", "bf16", "f32", "pred", "s32"]
+    assert hlo.shape_bytes(shape) == 1024 * 512 + 4 + 2 * 6 + 4 + 8 + 8
+
+
 def test_hlo_graph_has_the_loop_body_and_its_matmul():
     dot = hlo_graph.to_dot(loop_hlo(), "f")
     assert "subgraph cluster_" in dot and "(x3)" in dot

@@ -19,7 +19,7 @@ import numpy as np
 _COMPUTATION = re.compile(r"^(ENTRY )?%(\S+) .*\{$")
 _INSTRUCTION = re.compile(r"^\s+(ROOT )?%(\S+) = (.*)$")
 _OPCODE = re.compile(r"(?:^|[\s}\])])([a-z][a-z0-9\-]*)\(")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+[a-z]*)?)\[([\d,]*)\]")  # f8e4m3fn: a float8 type
 # Attributes that name computations an instruction runs: a fusion's or a call's body, a while
 # loop's body (its condition is left out: it computes nothing a report counts), the branches of a
 # conditional, the computation a reduction or scatter applies to each element pair (to_apply).
