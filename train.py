@@ -17,9 +17,10 @@ vocabulary (tensor parallelism, Megatron-style) and, between blocks, the residua
 data_loader.zigzag_chunks; attention passes keys and values around the c ring) and, with d, the
 weights.
 
-Precision: weights, optimizer state, the residual stream and norms in float32; matmul operands in
-model.matmul_dtype (bfloat16; float32 where a test checks the math against tests/reference.py) with
-float32 accumulation; every sum across devices in float32.
+Precision: weights, optimizer state, the residual stream and norms in float32; matmuls multiply in
+model.matmul_dtype (bfloat16; float8 for the linear layers, each operand scaled by its amax and the
+rest in bfloat16; float32 where a test checks the math against tests/reference.py) with float32
+accumulation; every sum across devices in float32.
 
 Names: `cfg` is a run's Config, `arch` its model section (the architecture), `training` its training
 section (config.py); `w` weights, `x` the residual stream, `nx` its normed value as matmul operand.
@@ -219,7 +220,7 @@ def attention_block(arch: ModelConfig, x, w: Layer, rotation, attend):
     `attend(q, k, v) -> (o, extra)` is the attention proper: training attends within documents
     (training_layer); sample.py attends over its KV cache and returns the updated cache as `extra`.
     Returns (x plus the block's output, extra)."""
-    dtype = arch.matmul_dtype
+    dtype, multiply_in = arch.operand_dtype, arch.matmul_dtype  # float8: bfloat16 operands, scaled and cast to e4m3
     nx = all_gather("B/d L/c M/t -> B/d L/c M", x)  # the norm needs all of M
     nx = save_for_backward(rms_norm(nx, w.attn_norm, arch.norm_eps).astype(dtype))
     # FSDP: gather this layer's weights over d and c, cast to the matmul type before they cross the
@@ -227,29 +228,31 @@ def attention_block(arch: ModelConfig, x, w: Layer, rotation, attend):
     w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, dtype)
     w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, dtype)
     w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, dtype)
-    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
-    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
-    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(dtype)
+    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q, multiply_in=multiply_in)
+    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k, multiply_in=multiply_in)
+    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v, multiply_in=multiply_in).astype(dtype)
     q, k = rope(q, *rotation).astype(dtype), rope(k, *rotation).astype(dtype)
     # Training's attend (attention.training_attention's kernel) keeps q, k, v, o and its log-sum-exp for backward.
     o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
     w_o = all_gather_cast("Q K/t D M/d/c -> Q K/t D M", w.w_o, dtype)
-    out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o)  # partial sums over t
+    out = einsum_unreduced("B/d L/c Q K/t D, Q K/t D M -> B/d L/c M", o, w_o, multiply_in=multiply_in)  # sums over t
     return save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out)), extra
 
 
 def mlp_block(arch: ModelConfig, nx, w: Layer):
     """SwiGLU (Shazeer 2020): (silu(nx w_gate) * nx w_up) w_down of the normed stream nx [B/d, L/c, M]
     (the matmul type): [B/d, L/c, M], float32 partial sums over t."""
-    dtype = arch.matmul_dtype
+    dtype, multiply_in = arch.operand_dtype, arch.matmul_dtype
     w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, dtype)
     w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, dtype)
-    gate = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate).astype(dtype))
-    up = save_for_backward(einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up).astype(dtype))
+    gate = einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate, multiply_in=multiply_in)
+    up = einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up, multiply_in=multiply_in)
+    gate, up = save_for_backward(gate.astype(dtype)), save_for_backward(up.astype(dtype))
     gate_f32 = gate.astype(jnp.float32)  # silu(gate) * up in float32, rounded once (as grouped_swiglu)
     hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(dtype)
     w_down = all_gather_cast("F/t M/d/c -> F/t M", w.w_down, dtype)
-    return einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, transposed_weight(w_down))
+    w_down = transposed_weight(w_down)
+    return einsum_unreduced("B/d L/c F/t, M F/t -> B/d L/c M", hidden, w_down, multiply_in=multiply_in)
 
 
 def experts_block(arch: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, Routing]:
@@ -270,7 +273,7 @@ def experts_block(arch: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, R
     blocks of rows it got only: a loop whose length is the load. Buffers are sized for the worst load
     (every row of the d devices to one device), the work for the real one."""
     B, L, M = nx.shape
-    E, top_k, dtype = arch.experts, arch.experts_per_token, arch.matmul_dtype
+    E, top_k, dtype = arch.experts, arch.experts_per_token, arch.operand_dtype  # (float8: the experts' in bfloat16)
     scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", normed, w.router))  # float32 [B, L, E]
     _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, top_k)  # [B, L, top_k]; a tie: the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
@@ -312,7 +315,7 @@ def transformer_layer(arch: ModelConfig, x, w: Layer, rotation, attend):
     extra, Routing)."""
     x, extra = attention_block(arch, x, w, rotation, attend)
     normed = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.ffn_norm, arch.norm_eps)  # float32
-    nx = save_for_backward(normed.astype(arch.matmul_dtype))
+    nx = save_for_backward(normed.astype(arch.operand_dtype))
     out = mlp_block(arch, nx, w)
     experts_out, routing = experts_block(arch, normed, nx, w)
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out + experts_out), extra, routing
@@ -344,8 +347,8 @@ def embed_tokens(w: Model, inputs):
 
 def output_logits(arch: ModelConfig, w: Model, x):
     """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x."""
-    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, arch.norm_eps).astype(arch.matmul_dtype)
-    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.matmul_dtype)
+    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, arch.norm_eps).astype(arch.operand_dtype)
+    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.operand_dtype)  # (float8: this one bfloat16)
     return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed)
 
 
@@ -509,7 +512,7 @@ def optimizer_step(cfg: Config, step, state: State, grads: Model, grad_norm, loa
     def update(path, w, g, momentum, mu, nu) -> Update:  # the state holds momentum or moments, None for the other
         rule = optimizer_of(path)
         if rule == "muon":
-            w, momentum = muon_update(training, cfg.model.matmul_dtype, muon_lr, w, g * clip, momentum,
+            w, momentum = muon_update(training, cfg.model.operand_dtype, muon_lr, w, g * clip, momentum,
                                       *MUON[path[-1].name])
         elif rule == "balance":
             w = balance_update(training, w, load)

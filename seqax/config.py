@@ -80,8 +80,11 @@ class ModelConfig:
     # which kernel computes attention (the same math, up to rounding): "auto" (Pallas on GPUs and TPUs,
     # blockwise on CPUs), "pallas", "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
     attention_kernel: str = "auto"
-    # the operands of every matmul (products accumulate in float32): "bfloat16", the fast path on every
-    # accelerator, or "float32", exact up to the order of sums (the tests check the math that way)
+    # the type matmuls multiply in (products accumulate in float32): "bfloat16", the fast path on every
+    # accelerator; "float8", the linear layers' matmuls in e4m3 (their gradients' in e5m2), each operand
+    # scaled by its amax (shardlib/float8.py; twice bfloat16's rate on Hopper and Blackwell), their operands
+    # kept and sent as bfloat16, every other matmul in bfloat16; or "float32", exact up to the order of
+    # sums (the tests check the math that way)
     matmul_dtype: str = "bfloat16"
     # A mixture of experts beside the dense SwiGLU of d_ff (README, "Mixture of experts"): each token goes
     # through the experts_per_token of `experts` SwiGLU experts of expert_d_ff that its router picks. 0
@@ -91,9 +94,15 @@ class ModelConfig:
     expert_d_ff: int = 0  # H
     expert_block: int = 64  # rows per block of the experts' grouped SwiGLU (speed, not the math)
 
+    @property
+    def operand_dtype(self) -> str:
+        """The type matmul operands are kept and sent in: matmul_dtype's, bfloat16 for float8 (whose
+        matmuls cast their operands themselves: einsum_unreduced's multiply_in)."""
+        return "bfloat16" if self.matmul_dtype == "float8" else self.matmul_dtype
+
 
 ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.training_attention's
-MATMUL_DTYPES = ("bfloat16", "float32")
+MATMUL_DTYPES = ("bfloat16", "float8", "float32")
 
 # The model's dimensions (train.py's legend) and the keys of the `model:` section that size them:
 # validation.py and memory.py read a dimension's size through this table.

@@ -189,7 +189,7 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("model.attention_kernel=flash", r"model.attention_kernel='flash' is not a kernel; choose one of auto, pallas, "
      "blockwise, reference"),
     ("model.matmul_dtype=float16", r"model.matmul_dtype='float16' is not a matmul type; choose one of bfloat16, "
-     "float32"),
+     "float8, float32"),
     ("training.learning_rate=-1e-3", r"training.learning_rate=-0.001 must not be negative"),
     ("training.adam_b1=1.0", r"training.adam_b1=1.0 must be in \[0, 1\)"),
     ("training.adam_b2=-0.1", r"training.adam_b2=-0.1 must be in \[0, 1\)"),

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqax.shardlib.bits import through_bits
+from seqax.shardlib.float8 import E4M3, E5M2, scaled
 from seqax.shardlib.shardtypes import Dim, ShapeError, dims_str, make_partition_specs, parse_dims, spec_axes
 
 
@@ -193,7 +194,7 @@ def _all_reduced(op: str, spec: str, x, axes):
     return x
 
 
-def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
+def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, multiply_in: str | None = None):
     """einsum on per-device blocks. A contracted dimension that is sharded leaves a partial sum
     (unreduced) that the caller reduces with psum or psum_scatter. Accumulates in float32 by
     default: bf16 operands with f32 results are the fast and accurate path.
@@ -202,7 +203,12 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
     output's gradient is rounded to it (bfloat16 x bfloat16 -> float32, as forward; plain
     autodiff would multiply the float32 gradient by the widened operand, a float32 matmul that
     runs 3-10x slower on CPUs with bfloat16 units and 2-16x on GPUs). With float32 operands
-    the rounding is the identity and the gradient is autodiff's."""
+    the rounding is the identity and the gradient is autodiff's.
+
+    multiply_in="float8" (model.matmul_dtype; two operands, float32 output): the operands, in any
+    float type, are multiplied as e4m3 and the output's gradient as e5m2, each scaled by its amax
+    (float8.py); the gradients come back in the operands' types. Any other value, or None: the
+    operands' own type, as above."""
     op = "einsum_unreduced"
     inputs, output = _parse(spec, op)
     if len(inputs) != len(operands):
@@ -234,12 +240,16 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32):
         _check_ndim(op, spec, dims, x)
     plain = ",".join("".join(letters[d.name] for d in dims) for dims in inputs)
     plain += "->" + "".join(letters[d.name] for d in output)
+    float8 = multiply_in == "float8"
+    if float8 and (len(operands) != 2 or jnp.dtype(preferred_element_type) != jnp.float32):
+        raise SpecError(f"{op}: a float8 multiply takes two operands and gives float32, not {len(operands)} "
+                        f"operands giving {jnp.dtype(preferred_element_type)} (spec {spec!r})")
     if len(operands) != 2:
         return jnp.einsum(plain, *operands, preferred_element_type=preferred_element_type)
     # Both operands vary over the same mesh axes before the custom gradient (check_vma): the
     # gradient of one made varying is then summed over those axes by autodiff, as for jnp.einsum.
     a, b = (_varying(x, _varying_axes(operands[0]) | _varying_axes(operands[1])) for x in operands)
-    return _einsum_pair(a, b, plain, jnp.dtype(preferred_element_type))
+    return _einsum_pair(a, b, plain, jnp.dtype(preferred_element_type), float8)
 
 
 def _varying_axes(x) -> frozenset:
@@ -272,29 +282,39 @@ def _varying(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _einsum_pair(a, b, plain: str, out_dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _einsum_pair(a, b, plain: str, out_dtype, float8: bool):
+    if float8:
+        (a, a_inverse), (b, b_inverse) = scaled(a, E4M3), scaled(b, E4M3)
+        return jnp.einsum(plain, a, b, preferred_element_type=jnp.float32) * (a_inverse * b_inverse)
     return jnp.einsum(plain, a, b, preferred_element_type=out_dtype)
 
 
-def _einsum_pair_forward(a, b, plain, out_dtype):
-    return _einsum_pair(a, b, plain, out_dtype), (a, b)
+def _einsum_pair_forward(a, b, plain, out_dtype, float8):
+    return _einsum_pair(a, b, plain, out_dtype, float8), (a, b)
 
 
-def _einsum_pair_backward(plain, out_dtype, operands, cotangent):
+def _einsum_pair_backward(plain, out_dtype, float8, operands, cotangent):
     a, b = operands
-    g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))  # the forward's operand dtype
     (a_letters, b_letters), out_letters = plain.split("->")[0].split(","), plain.split("->")[1]
+    if float8:  # the operands cast again as the forward cast them (under remat nothing else is kept)
+        (g, g_inverse), (qa, a_inverse), (qb, b_inverse) = (
+            scaled(cotangent, E5M2), scaled(a, E4M3), scaled(b, E4M3))
+        return (_einsum_gradient(g, out_letters, qb, b_letters, a, a_letters, g_inverse * b_inverse),
+                _einsum_gradient(g, out_letters, qa, a_letters, b, b_letters, g_inverse * a_inverse))
+    g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))  # the forward's operand dtype
     return (_einsum_gradient(g, out_letters, b, b_letters, a, a_letters),
             _einsum_gradient(g, out_letters, a, a_letters, b, b_letters))
 
 
-def _einsum_gradient(g, g_letters: str, other, other_letters: str, x, x_letters: str):
+def _einsum_gradient(g, g_letters: str, other, other_letters: str, x, x_letters: str, inverse_scale=None):
     """The gradient of operand x of einsum(x, other) from the output's gradient g: an einsum of
-    g and the other operand, accumulated in float32 and returned in x's dtype. A letter of x
-    that is in neither (a dimension x alone sums over) is broadcast back."""
+    g and the other operand, accumulated in float32 (times `inverse_scale`: float8's) and returned
+    in x's dtype. A letter of x that is in neither (a dimension x alone sums over) is broadcast back."""
     present = "".join(letter for letter in x_letters if letter in g_letters + other_letters)
     grad = jnp.einsum(f"{g_letters},{other_letters}->{present}", g, other, preferred_element_type=jnp.float32)
+    if inverse_scale is not None:
+        grad = grad * inverse_scale
     if present != x_letters:
         grad = jnp.expand_dims(grad, [i for i, letter in enumerate(x_letters) if letter not in present])
         grad = jnp.broadcast_to(grad, x.shape)

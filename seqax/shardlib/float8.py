@@ -1,0 +1,35 @@
+"""Float8 with tensorwise scaling: the cast that einsum_unreduced(..., multiply_in="float8") does to each
+operand of a matmul, and to the gradient of its output.
+
+Hopper and Blackwell multiply float8 at twice bfloat16's rate, but float8 holds few values: e4m3 has 3
+mantissa bits (a relative rounding of at most 2^-4) and nothing above 448; e5m2 has 2 (2^-3) and a
+range up to 57344. So a tensor is multiplied by a scale before its cast, chosen from the largest
+magnitude it holds now (its amax: "current" scaling, no history kept across steps) so that the amax
+lands just under the type's largest value, and the product of two scaled operands, accumulated in
+float32, is multiplied by both inverse scales. The forward's operands go to e4m3 (precision); the
+output's gradient to e5m2 (range: a gradient's values spread wider), which the backward's two matmuls
+multiply by the forward's e4m3 operands (GPUs multiply e4m3 x e5m2; not e5m2 x e5m2).
+
+A scale is a power of two: multiplying by it only moves exponents, so the cast is the one rounding
+and the inverse scale undoes the scale exactly. The amax is of what one device holds (a weight's
+block after its gathers): each device's matmul is scaled on its own, and no collective is added.
+"""
+
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn  # the forward's operands
+E5M2 = jnp.float8_e5m2  # the gradient of a matmul's output
+
+
+def scaled(x, dtype):
+    """(x x scale cast to `dtype`, 1 / scale): the scale the largest power of two that keeps x's amax
+    within dtype's largest value (1 for a tensor of zeros; at most 2^100, so that the tiniest tensors
+    do not overflow the scale). A non-finite amax gives a NaN result, as the matmul in bfloat16 would."""
+    x = x.astype(jnp.float32)
+    largest = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x))
+    exponent = jnp.floor(jnp.log2(largest / jnp.where(amax > 0, amax, largest)))
+    scale = jnp.where(jnp.isfinite(amax), jnp.exp2(jnp.clip(exponent, -126, 100)), jnp.nan)
+    # The clip catches a log2 rounded up by one ulp (amax x scale a hair above largest), which e4m3,
+    # having no infinity, would cast to NaN.
+    return jnp.clip(x * scale, -largest, largest).astype(dtype), 1 / scale
