@@ -158,6 +158,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "mfu_ceiling": model_flops / (model.step_seconds * target.peak_flops),
         "model_tflop_per_device": model_flops / 1e12, "hlo_matmul_tflop_per_device": model.matmul_flops / 1e12,
         "hlo_recomputed_matmul_tflop_per_device": model.recomputed_matmul_flops / 1e12,
+        "hlo_float8_matmul_tflop_per_device": model.float8_matmul_flops / 1e12,
         "kernels_per_step": model.launches,
         "seconds_by_kind": {kind: seconds[kind] for kind in KINDS},
         "costliest": [{"name": k.name, "kind": category(k), "runs": k.runs, "seconds": k.total_seconds,
@@ -178,7 +179,8 @@ def report(row: dict) -> str:
              f"{row['communication_seconds'] * 1e3:.1f} ms at the links' bandwidth",
              f"  roofline: step {row['step_seconds'] * 1e3:.1f} ms, {row['tokens_per_second']:,.0f} tokens/s, "
              f"MFU ceiling {row['mfu_ceiling']:.1%} ({row['model_tflop_per_device']:.1f} model TFLOP per device; "
-             f"the HLO's matmuls {row['hlo_matmul_tflop_per_device']:.1f}, recomputed for backward "
+             f"the HLO's matmuls {row['hlo_matmul_tflop_per_device']:.1f}, in float8 "
+             f"{row['hlo_float8_matmul_tflop_per_device']:.1f}, recomputed for backward "
              f"{row['hlo_recomputed_matmul_tflop_per_device']:.1f}); {row['kernels_per_step']:,.0f} kernels",
              "  where the time goes:"]
     lines += [f"    {kind:<30} {seconds * 1e3:9.1f} ms {seconds / row['step_seconds']:6.1%}"

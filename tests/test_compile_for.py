@@ -3,12 +3,15 @@ synthetic config's step compiled for one H200, for a host of 8 and for a TPU v6e
 Pallas attention kernels, the default there) fits their memory, has its collectives where the mesh
 needs them (asynchronous on the GPUs), and the roofline's matmul FLOPs are exactly what the code
 computes: the model's, plus what the attention kernel (blockwise, or Pallas) computes beyond the
-causal half and recomputes, plus Muon's Newton-Schulz."""
+causal half and recomputes, plus Muon's Newton-Schulz; with model.matmul_dtype=float8, the layers'
+matrices multiply as float8 GEMMs on an H200 and a B200."""
 
 import json
+import math
 import os
 import subprocess
 
+import jax
 import pytest
 
 import train
@@ -92,6 +95,23 @@ def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
     expected = model - attention_model + attention + newton_schulz + recomputed
     assert row["model_tflop_per_device"] * 1e12 == pytest.approx(model, rel=1e-9)
     assert row["hlo_matmul_tflop_per_device"] * 1e12 == pytest.approx(expected, rel=1e-3), (row, expected)
+
+
+def test_the_layers_matrices_multiply_in_float8_on_hopper_and_blackwell(tmp_path):
+    """model.matmul_dtype=float8 on one H200 and one B200: their compilers multiply the layers' matrices as
+    float8 GEMMs (the HLO's dot takes both operands in float8, not widened to bf16 first): 6 FLOPs per
+    parameter of every matrix of the layers per token (the forward and both gradients) are exactly the HLO's
+    float8 matmul FLOPs (which the roofline prices at the float8 rate: test_roofline); the other matmuls
+    (attention, the logits, Newton-Schulz) stay bf16."""
+    rows = compile_for(tmp_path, "float8", ["local_test_synthetic"], ["h200", "b200"], "mesh.d=1", "mesh.t=1",
+                       "model.matmul_dtype=float8", "model.attention_kernel=blockwise")
+    cfg = load_config("local_test_synthetic", ["+paths.model_name=x", "mesh.d=1", "mesh.t=1"])
+    layers = jax.eval_shape(lambda: train.init_weights(cfg.model, jax.random.key(0))).layers
+    matrices = sum(math.prod(w.shape) for w in jax.tree.leaves(layers) if w.ndim >= 3)  # [layers, rows, cols...]
+    tokens = cfg.training.tokens.batch * cfg.training.tokens.len
+    for row in rows:
+        assert row["hlo_float8_matmul_tflop_per_device"] * 1e12 == pytest.approx(6 * matrices * tokens, rel=1e-9), row
+        assert 0.5 < row["hlo_float8_matmul_tflop_per_device"] / row["hlo_matmul_tflop_per_device"] < 1, row
 
 
 def test_the_roofline_counts_the_experts_padded_blocks_and_prices_their_dispatch(tmp_path):

@@ -4,6 +4,7 @@ elementwise kernel, an in-place update in a loop, a loop of unknown trip count i
 a conditional (its costlier branch), a collective the compiler made asynchronous against one it did
 not, and a Pallas kernel that states its FLOPs."""
 
+import dataclasses
 import random
 
 import jax
@@ -40,6 +41,35 @@ def test_one_matmul_is_bound_by_its_flops():
     assert (kernel.kind, kernel.runs, kernel.flops, kernel.bytes) == ("matmul", 1, flops, nbytes)
     assert kernel.seconds == pytest.approx(max(flops / 1e12, nbytes / 1e10) + 1e-6)
     assert model.step_seconds == kernel.seconds
+
+
+def test_a_float8_matmul_costs_the_float8_rate_and_its_bytes():
+    """A dot of two float8 operands (a Triton gemm fusion's, as the GPU compiler writes it for
+    model.matmul_dtype=float8) runs at the float8 rate and reads one byte an element; a dot of an
+    e4m3 and a bf16 operand is not a float8 matmul (bf16's rate); without a float8 rate (TPUs), bf16's."""
+    def fused(lhs: str, rhs: str, rates=None) -> roofline.Roofline:
+        text = module(f"""%gemm_fusion (p0: {lhs}[1024,512], p1: {rhs}[512,256]) -> f32[1024,256] {{
+  %p0 = {lhs}[1024,512]{{1,0}} parameter(0)
+  %p1 = {rhs}[512,256]{{1,0}} parameter(1)
+  ROOT %dot.1 = f32[1024,256]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}""", entry=f"""ENTRY %main (a: {lhs}[1024,512], b: {rhs}[512,256]) -> f32[1024,256] {{
+  %a = {lhs}[1024,512]{{1,0}} parameter(0)
+  %b = {rhs}[512,256]{{1,0}} parameter(1)
+  ROOT %fusion.1 = f32[1024,256]{{1,0}} fusion(%a, %b), kind=kCustom, calls=%gemm_fusion
+}}""")
+        return roofline.roofline(text, rates or RATES)
+
+    flops = 2 * 1024 * 256 * 512
+    float8_rates = dataclasses.replace(RATES, float8_matmul_flops=2e12, memory_bandwidth=1e12)
+    both = fused("f8e4m3fn", "f8e5m2", float8_rates)
+    [kernel] = both.kernels
+    nbytes = 1024 * 512 + 512 * 256 + 1024 * 256 * 4
+    assert (kernel.flops, kernel.float8_flops, kernel.bytes) == (flops, flops, nbytes)
+    assert kernel.seconds == pytest.approx(flops / 2e12 + 1e-6) and both.float8_matmul_flops == flops
+    [mixed] = fused("f8e4m3fn", "bf16", float8_rates).kernels
+    assert (mixed.float8_flops, mixed.seconds) == (0.0, pytest.approx(flops / 1e12 + 1e-6))
+    [no_rate] = fused("f8e4m3fn", "f8e4m3fn", dataclasses.replace(float8_rates, float8_matmul_flops=0.0)).kernels
+    assert no_rate.seconds == pytest.approx(flops / 1e12 + 1e-6)
 
 
 def test_a_kernel_that_states_its_flops_costs_them():

@@ -59,6 +59,7 @@ class Rates:
     network_bandwidth: float  # bytes/s one device sends to devices of other hosts (InfiniBand, DCN)
     devices_per_host: int  # devices 0..n-1 share a host, n..2n-1 the next, ...
     launch_seconds: float = 0.0  # fixed cost of launching one kernel
+    float8_matmul_flops: float = 0.0  # dense float8 matmul FLOP/s (0: no float8 units, priced as bf16)
 
 
 @dataclasses.dataclass
@@ -73,6 +74,7 @@ class Kernel:
     asynchronous: bool  # a collective the compiler overlaps with computation
     stack: list  # the Python stack it came from, innermost first: (file, function, line)
     op_name: str
+    float8_flops: float = 0.0  # per run: the part of `flops` whose operands are float8
 
     @property
     def total_seconds(self) -> float:
@@ -94,6 +96,12 @@ def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
         dims = [int(d) for d in numbers.get("lhs_contracting_dimensions", [])]
     lhs = hlo.arrays(operand_shapes[0])[0][1]
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
+
+
+def is_float8(operand_shapes: list[str]) -> bool:
+    """Whether a matmul multiplies float8: both of its operands are (e4m3 or e5m2)."""
+    types = [hlo.arrays(s)[0][0] if hlo.arrays(s) else "" for s in operand_shapes[:2]]
+    return len(types) == 2 and all(t.startswith("f8") for t in types)
 
 
 def convolution_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
@@ -157,12 +165,12 @@ class _Program:
     def operand_shapes(self, computation: str, inst: hlo.Instruction) -> list[str]:
         return [self.shapes[computation].get(o, "") for o in inst.operands]
 
-    def fusion_cost(self, computation: str, inst: hlo.Instruction) -> tuple[float, float, float]:
-        """(matmul FLOPs, other FLOPs, bytes) of a fusion: its body's dots and arithmetic; what it
-        reads of each operand (a parameter that only dynamic-slices or slices read costs its slices,
-        one that is only updated in place costs nothing) and what it writes (an in-place update or
-        scatter its update: XLA scatters into the operand's buffer, copying it first in a kernel of
-        its own if it must)."""
+    def fusion_cost(self, computation: str, inst: hlo.Instruction) -> tuple[float, float, float, float]:
+        """(matmul FLOPs, those of them in float8, other FLOPs, bytes) of a fusion: its body's dots and
+        arithmetic; what it reads of each operand (a parameter that only dynamic-slices or slices read
+        costs its slices, one that is only updated in place costs nothing) and what it writes (an
+        in-place update or scatter its update: XLA scatters into the operand's buffer, copying it
+        first in a kernel of its own if it must)."""
         body = self.module.computations[inst.calls[0]]
         by_name = {i.name: i for i in body.instructions}
         users: dict[str, list[hlo.Instruction]] = {}
@@ -197,18 +205,20 @@ class _Program:
                 written += hlo.shape_bytes(by_name[update].shape) if update in by_name else 0
             else:
                 written += hlo.shape_bytes(out.shape)
-        matmul = other = 0.0
+        matmul = float8 = other = 0.0
         for i in body.instructions:
             if i.opcode in ("dot", "convolution"):
-                matmul += dot_flops(i, [by_name[o].shape for o in i.operands if o in by_name])
+                shapes = [by_name[o].shape for o in i.operands if o in by_name]
+                flops = dot_flops(i, shapes)
+                matmul, float8 = matmul + flops, float8 + (flops if is_float8(shapes) else 0.0)
             elif i.opcode == "fusion" and i.calls:  # a nested fusion (Triton's): its own arithmetic
-                nested_matmul, nested_other, _ = self.fusion_cost(body.name, i)
-                matmul, other = matmul + nested_matmul, other + nested_other
+                nested_matmul, nested_float8, nested_other, _ = self.fusion_cost(body.name, i)
+                matmul, float8, other = matmul + nested_matmul, float8 + nested_float8, other + nested_other
             elif i.opcode == "reduce":
                 other += _element_count(by_name[i.operands[0]].shape) if i.operands[0] in by_name else 0
             elif i.opcode not in DATA_MOVEMENT:
                 other += _element_count(i.shape)
-        return matmul, other, read + written
+        return matmul, float8, other, read + written
 
 
 def _collective(inst: hlo.Instruction, operand_shapes: list[str]) -> tuple[float, list[list[int]]]:
@@ -236,7 +246,9 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
     def cost(kernel: Kernel) -> float:
         if kernel.kind == "collective":
             return 0.0 if not kernel.bytes else kernel.bytes / kernel_link(kernel)
-        compute = kernel.flops / rates.matmul_flops + kernel.other_flops / rates.vector_flops
+        float8_rate = rates.float8_matmul_flops or rates.matmul_flops
+        compute = ((kernel.flops - kernel.float8_flops) / rates.matmul_flops + kernel.float8_flops / float8_rate
+                   + kernel.other_flops / rates.vector_flops)
         return max(compute, kernel.bytes / rates.memory_bandwidth) + rates.launch_seconds
 
     link_of: dict[str, float] = {}
@@ -245,9 +257,9 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
         return link_of[kernel.name]
 
     def add(computation: str, inst: hlo.Instruction, runs: float, out: list, kind: str, flops=0.0, other=0.0,
-            nbytes=0.0, asynchronous=False):
+            nbytes=0.0, asynchronous=False, float8=0.0):
         kernel = Kernel(inst.name, kind, runs, flops, other, nbytes, 0.0, asynchronous,
-                        module.stack(inst.stack_frame), inst.op_name)
+                        module.stack(inst.stack_frame), inst.op_name, float8)
         kernel.seconds = cost(kernel)
         out.append(kernel)
 
@@ -281,13 +293,15 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
             elif op.removesuffix("-start") in COLLECTIVES:
                 collective(name, inst, runs, out, asynchronous=op.endswith("-start"))
             elif op in ("fusion", "fusion-start"):  # fusion-start: an asynchronous fusion, calling its fused body
-                matmul, other, nbytes = program.fusion_cost(name, inst)
-                add(name, inst, runs, out, "matmul" if matmul else "memory", matmul, other, nbytes)
+                matmul, float8, other, nbytes = program.fusion_cost(name, inst)
+                add(name, inst, runs, out, "matmul" if matmul else "memory", matmul, other, nbytes, float8=float8)
             elif op == "custom-call":
                 target = inst.attribute("custom_call_target") or ""
                 nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(hlo.tuple_elements(inst.shape)[0])
                 if target.startswith(MATMUL_CALLS):
-                    add(name, inst, runs, out, "matmul", dot_flops(inst, operands), 0.0, nbytes)
+                    flops = dot_flops(inst, operands)
+                    float8 = flops if is_float8(operands) else 0.0
+                    add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=float8)
                 elif target.startswith(ATTENTION_CALLS):
                     add(name, inst, runs, out, "attention", fused_attention_flops(inst, operands), 0.0, nbytes)
                 elif stated := _STATED_FLOPS.search(inst.op_name):
@@ -296,7 +310,8 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                     add(name, inst, runs, out, "memory", 0.0, 0.0, nbytes)
             elif op in ("dot", "convolution"):
                 nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
-                add(name, inst, runs, out, "matmul", dot_flops(inst, operands), 0.0, nbytes)
+                flops = dot_flops(inst, operands)
+                add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=flops if is_float8(operands) else 0.0)
             else:  # an unfused operation: a copy, a bare add, a sort, ...
                 nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
                 other = 0.0 if op in DATA_MOVEMENT else _element_count(inst.shape)
@@ -344,6 +359,11 @@ class Roofline:
     @property
     def matmul_flops(self) -> float:
         return sum(k.flops * k.runs for k in self.kernels)
+
+    @property
+    def float8_matmul_flops(self) -> float:
+        """The part of matmul_flops whose operands are float8 (priced at Rates.float8_matmul_flops)."""
+        return sum(k.float8_flops * k.runs for k in self.kernels)
 
     @property
     def recomputed_matmul_flops(self) -> float:

@@ -3,12 +3,13 @@ device is (its figures, each with its source), how the roofline rates it (roofli
 JAX's compiler is told about it (a GPU's target description; a TPU's topology name), and how many
 devices make a host.
 
-Sources: NVIDIA's datasheets (H100 and H200 SXM; HGX B200) for HBM size and bandwidth, FP32 rate
-and NVLink; XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/*.txtpb,
+Sources: NVIDIA's datasheets (H100 and H200 SXM; HGX B200) for HBM size and bandwidth, FP32 and FP8
+rates and NVLink; XLA's GPU target specs (openxla/xla, xla/backends/gpu/target_config/specs/*.txtpb,
 read 2026-12-03) for SM counts, clocks, L2 and the bytes of HBM the driver reports; the CUDA C++
 Programming Guide's per-compute-capability limits (threads, registers, shared memory); Google
 Cloud's TPU system architecture pages (cloud.google.com/tpu/docs/v5e, v5p, v6e) for HBM, its
-bandwidth and ICI. Peak bf16 rates are hardware.py's table.
+bandwidth and ICI (they publish no float8 rate for v5e, v5p or v6e: priced as bf16). Peak bf16 rates are
+hardware.py's table.
 """
 
 import dataclasses
@@ -37,6 +38,7 @@ class Target:
     clock_ghz: float = 0.0
     l2_bytes: int = 0
     compute_capability: tuple[int, int] = (0, 0)
+    float8_flops: float = 0.0  # dense float8 matmul FLOP/s (0: no float8 units; XLA multiplies it as bf16)
 
     @property
     def peak_flops(self) -> float:
@@ -47,7 +49,7 @@ class Target:
         2 us on a stream (NVIDIA's figure for back-to-back launches); a TPU runs one fused program."""
         launch = (2e-6 if self.platform == "cuda" else 0.0) if launch_seconds is None else launch_seconds
         return Rates(self.peak_flops, self.vector_flops, self.memory_bandwidth, self.link_bandwidth,
-                     self.network_bandwidth, self.devices_per_host, launch)
+                     self.network_bandwidth, self.devices_per_host, launch, self.float8_flops)
 
     def topology(self, devices: int) -> tuple[str, dict]:
         """(topology name, keyword arguments) of jax.experimental.topologies.get_topology_desc for
@@ -103,20 +105,24 @@ device_description_str: "{self.device_kind}"
 V5P_SLICES = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8",
               256: "4x8x8", 512: "8x8x8"}
 NVIDIA = ("NVIDIA datasheets (HBM, FP32, NVLink: 900 GB/s both ways = 450 GB/s a direction; NVLink 5 "
-          "1.8 TB/s); one 400 Gb/s InfiniBand NDR adapter per GPU across hosts (DGX H100/H200/B200); "
-          "XLA's GPU target specs (SMs, clock, L2, HBM bytes)")
+          "1.8 TB/s; FP8 Tensor Core, dense = half the sparse figure: H100 and H200 SXM 3,958 TFLOPS sparse, "
+          "HGX B200 9 PFLOPS sparse a GPU); one 400 Gb/s InfiniBand NDR adapter per GPU across hosts "
+          "(DGX H100/H200/B200); XLA's GPU target specs (SMs, clock, L2, HBM bytes)")
 TPU = "Cloud TPU system architecture pages: HBM, its bandwidth, ICI Gbps per chip (both ways, halved here)"
 
 TARGETS = {t.name: t for t in [
     Target("h100", "cuda", "NVIDIA H100 80GB HBM3", memory_bytes=84_942_979_072, memory_bandwidth=3.35e12,
            vector_flops=67e12, link_bandwidth=450 * GB, network_bandwidth=50 * GB, devices_per_host=8,
-           sources=NVIDIA, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800, compute_capability=(9, 0)),
+           sources=NVIDIA, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800, compute_capability=(9, 0),
+           float8_flops=1979e12),
     Target("h200", "cuda", "NVIDIA H200", memory_bytes=151_397_597_184, memory_bandwidth=4.8e12,
            vector_flops=67e12, link_bandwidth=450 * GB, network_bandwidth=50 * GB, devices_per_host=8,
-           sources=NVIDIA, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800, compute_capability=(9, 0)),
+           sources=NVIDIA, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800, compute_capability=(9, 0),
+           float8_flops=1979e12),
     Target("b200", "cuda", "NVIDIA B200", memory_bytes=191_514_411_008, memory_bandwidth=7.672e12,
            vector_flops=80e12, link_bandwidth=900 * GB, network_bandwidth=50 * GB, devices_per_host=8,
-           sources=NVIDIA, sm_count=148, clock_ghz=1.965, l2_bytes=132_644_864, compute_capability=(10, 0)),
+           sources=NVIDIA, sm_count=148, clock_ghz=1.965, l2_bytes=132_644_864, compute_capability=(10, 0),
+           float8_flops=4500e12),
     # TPUs: no published vector rate; taken at 1/16 of the matrix rate, as on the GPUs above. Their
     # elementwise kernels are bound by HBM bandwidth long before.
     Target("v5e", "tpu", "TPU v5 lite", memory_bytes=16 * 2**30, memory_bandwidth=819 * GB,
