@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Everything a lent GPU is for, in one run of at most 9 minutes (device time is short; docs/performance.md,
-# "GPU and TPU: measured"):
+# Everything a lent GPU is for, in one run of about 10 minutes, the parts in order of priority, so that
+# a call's time limit cuts the last ones (device time is short; docs/performance.md, "GPU and TPU: measured"):
 #   1. gpu1_1b's throughput (bench/gpu/gpu.sh's table: step time, MFU, peak memory, the roofline's
 #      prediction beside the measurement);
+#   1b. gpu1_1b with model.matmul_dtype=float8, the same table: float8 against bf16, side by side (the
+#      roofline forecasts 1.19x tokens/s on an H200; docs/performance.md, "Float8 matmuls");
 #   2. the checks only a GPU can make (tests/test_gpu.py; the MoE dispatch and a training step with the
 #      Pallas kernels, from test_moe.py and test_flash_attention.py, which run on one device of any kind);
 #   3. the mixture of experts against dense on one GPU (gpu8_1b_moe and gpu1_1b cut to 10 layers and
@@ -42,6 +44,9 @@ ladder() {  # ladder NAME SECONDS CONFIGS [OVERRIDES]
 
 part "gpu1_1b"
 ladder ladder_1b 120 gpu1_1b
+
+part "gpu1_1b in float8"
+ladder ladder_1b_float8 120 gpu1_1b "model.matmul_dtype=float8"
 
 part "checks only a GPU can make"
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
