@@ -104,3 +104,18 @@ def test_plot_metrics_refuses_to_draw_over_the_metrics_it_reads(tmp_path, capsys
     assert exit.value.code == 2
     assert f"--output '{metrics}' is or contains the metrics '{metrics}'" in capsys.readouterr().err
     assert json.loads(metrics.read_text())["loss"] == 5.0
+
+
+def test_plot_metrics_draws_the_task_panel_only_for_runs_that_scored_tasks(tmp_path):
+    """A run without evaluation tasks gets no empty accuracy panel; one that scored a task gets it, its line drawn."""
+    line = {"step": 0, "loss": 5.0, "learning_rate": 0.1, "grad_norm": 1.0, "tokens_per_second": 10.0}
+    panels = []
+    for name, extra in (("plain", {}), ("tasks", {"text_choices/acc": 0.5, "text_choices/acc_norm": 0.4})):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps({**line, **extra}) + "\n")
+        fig = plot_metrics.figure([str(run)])
+        panels.append({ax.get_title(): (ax.get_visible(), len(ax.lines)) for ax in fig.axes})
+        plot_metrics.pyplot().close(fig)
+    assert panels[0]["multiple-choice tasks: accuracy"] == (False, 0) and panels[0]["loss"] == (True, 1)
+    assert panels[1]["multiple-choice tasks: accuracy"] == (True, 2)

@@ -42,8 +42,14 @@ def pyplot():
 
 
 def plot(run_dirs: list[str], output: str):
-    plt = pyplot()
-    fig, grid = plt.subplots(2, 3, figsize=(18, 8), constrained_layout=True)
+    fig = figure(run_dirs)
+    fig.savefig(output, dpi=100)
+    pyplot().close(fig)
+
+
+def figure(run_dirs: list[str]):
+    """The runs' panels as a matplotlib Figure; the accuracy panel only where a run has task accuracies."""
+    fig, grid = pyplot().subplots(2, 3, figsize=(18, 8), constrained_layout=True)
     axes, accuracy = grid.flat[[0, 1, 3, 4]], grid.flat[2]
     grid.flat[5].set_visible(False)
     for run_dir in run_dirs:
@@ -70,8 +76,8 @@ def plot(run_dirs: list[str], output: str):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=8)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    accuracy.set_visible(bool(accuracy.lines))  # no tasks: no empty panel
+    return fig
 
 
 def main(argv=None):
