@@ -25,11 +25,12 @@ def scaled(x, dtype):
     """(x x scale cast to `dtype`, 1 / scale): the scale the largest power of two that keeps x's amax
     within dtype's largest value (1 for a tensor of zeros; at most 2^100, so that the tiniest tensors
     do not overflow the scale). A non-finite amax gives a NaN result, as the matmul in bfloat16 would."""
-    x = x.astype(jnp.float32)
     largest = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x))
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     exponent = jnp.floor(jnp.log2(largest / jnp.where(amax > 0, amax, largest)))
     scale = jnp.where(jnp.isfinite(amax), jnp.exp2(jnp.clip(exponent, -126, 100)), jnp.nan)
-    # The clip catches a log2 rounded up by one ulp (amax x scale a hair above largest), which e4m3,
-    # having no infinity, would cast to NaN.
-    return jnp.clip(x * scale, -largest, largest).astype(dtype), 1 / scale
+    # In x's own type: a power of two scales a bfloat16 exactly, and a float32 copy of x would be a
+    # round trip the compiler may drop (a bfloat16 rounding before it with it). The clip catches a log2
+    # rounded up by one ulp (amax x scale a hair above largest), which e4m3, having no infinity, would
+    # cast to NaN.
+    return jnp.clip(x * scale.astype(x.dtype), -largest, largest).astype(dtype), 1 / scale

@@ -297,9 +297,10 @@ def _einsum_pair_forward(a, b, plain, out_dtype, float8):
 def _einsum_pair_backward(plain, out_dtype, float8, operands, cotangent):
     a, b = operands
     (a_letters, b_letters), out_letters = plain.split("->")[0].split(","), plain.split("->")[1]
-    if float8:  # the operands cast again as the forward cast them (under remat nothing else is kept)
-        (g, g_inverse), (qa, a_inverse), (qb, b_inverse) = (
-            scaled(cotangent, E5M2), scaled(a, E4M3), scaled(b, E4M3))
+    if float8:  # the operands cast again as the forward cast them (under remat nothing else is kept); the
+        # output's gradient rounded to the operands' type first, so that it is written at their width
+        g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))
+        (g, g_inverse), (qa, a_inverse), (qb, b_inverse) = scaled(g, E5M2), scaled(a, E4M3), scaled(b, E4M3)
         return (_einsum_gradient(g, out_letters, qb, b_letters, a, a_letters, g_inverse * b_inverse),
                 _einsum_gradient(g, out_letters, qa, a_letters, b, b_letters, g_inverse * a_inverse))
     g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))  # the forward's operand dtype
