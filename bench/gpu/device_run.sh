@@ -4,7 +4,7 @@
 #   1. gpu1_1b's throughput (bench/gpu/gpu.sh's table: step time, MFU, peak memory, the roofline's
 #      prediction beside the measurement);
 #   1b. gpu1_1b with model.matmul_dtype=float8, the same table: float8 against bf16, side by side (the
-#      roofline forecasts 1.19x tokens/s on an H200; docs/performance.md, "Float8 matmuls");
+#      roofline forecasts 1.27x tokens/s on an H200; docs/performance.md, "Float8 matmuls");
 #   2. the checks only a GPU can make (tests/test_gpu.py; the MoE dispatch and a training step with the
 #      Pallas kernels, from test_moe.py and test_flash_attention.py, which run on one device of any kind);
 #   3. the mixture of experts against dense on one GPU (gpu8_1b_moe and gpu1_1b cut to 10 layers and
