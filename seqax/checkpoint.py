@@ -12,6 +12,7 @@ committed checkpoints are read. A restore reads, for each device, exactly the re
 device holds on the new mesh, so any mesh and any number of processes can read a checkpoint.
 """
 
+import contextlib
 import dataclasses
 import errno
 import itertools
@@ -118,6 +119,21 @@ def _touch(path: str):
         pass
 
 
+def _replace_file_in(folder: str, name: str, data: bytes):
+    """folder/name written whole or not at all (a temporary file renamed over it, as zarr's store writes
+    metadata), without making `folder`: where it was deleted meanwhile (a run directory removed under a
+    live run), the write fails; zarr's store would make it again, and every folder above it."""
+    temporary = os.path.join(folder, f"{name}.{uuid.uuid4().hex}.partial")
+    try:
+        with open(temporary, "wb") as f:
+            f.write(data)
+        os.replace(temporary, os.path.join(folder, name))
+    except BaseException:  # a full disk: no temporary file left beside the save's markers
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+
+
 def _naming(path: str, job):
     """Runs `job()`; an OSError without a file name (a full disk's failed write has none) names `path`,
     so that the line the user sees says where the write failed."""
@@ -173,7 +189,7 @@ class Checkpointer:
     def _unreadable_steps(self) -> list[int]:
         """Steps whose group zarr.json is missing or garbled although the directory holds arrays (their
         folders): damaged. (An interrupted save's group metadata is whole, or the directory holds no
-        folder: it is written first, as zarr's temporary file `zarr.*.partial` renamed to zarr.json, so
+        folder: it is written first, as a temporary file `zarr.json.*.partial` renamed to zarr.json, so
         a save killed before that rename leaves the temporary file alone; the markers of a save that
         failed writing it (a full disk cuts it short) are files too; and the commit rewrites it
         atomically.)"""
@@ -253,12 +269,17 @@ class Checkpointer:
         if self._parent is not None and parent != self._parent:  # a run directory deleted stays deleted
             raise FileNotFoundError(errno.ENOENT, "deleted or replaced since the run started, not recreated",
                                     os.path.dirname(self.directory))
-        os.makedirs(self.directory, exist_ok=True)
+        if self._parent is None:  # no run directory when the run started: the folders are made
+            os.makedirs(self.directory, exist_ok=True)
+        elif not os.path.isdir(self.directory):  # made by mkdir, which fails where the run directory is gone
+            os.mkdir(self.directory)
         attributes = {"format_version": FORMAT_VERSION, "step": step, "arrays": [leaf.name for leaf in leaves],
                       "write_completed": False, "array_shapes": {leaf.name: list(leaf.shape) for leaf in leaves},
                       "array_dtypes": {leaf.name: leaf.dtype.name for leaf in leaves}}
         os.mkdir(path)  # folders below are made with mkdir too: none is made again if the run's is deleted
-        zarr.create_group(store=path, attributes=attributes)
+        in_memory = {}  # zarr writes the group's metadata in memory, this module on disk (_replace_file_in)
+        zarr.create_group(store=zarr.storage.MemoryStore(in_memory), attributes=attributes)
+        _replace_file_in(path, "zarr.json", in_memory["zarr.json"].to_bytes())
         for leaf, layout in zip(leaves, layouts):
             key = (leaf.name, leaf.shape, leaf.dtype.name, layout)
             if key not in self._metadata:  # zarr writes it in memory (it would make missing folders on disk)
@@ -302,7 +323,7 @@ class Checkpointer:
             if self.process == 0:
                 self._wait(lambda: all(os.path.exists(w) for w in written), step,
                            f"every process to write checkpoint {path}")
-                zarr.open_group(path, mode="r+").attrs.update({"write_completed": True})  # the commit
+                self._commit(path)
                 for marker in [markers.format("ready"), *written]:
                     os.remove(marker)
                 if self.cfg.keep:  # and the one before the newest, whose loss is known finite (KEEP_AT_LEAST)
@@ -314,6 +335,14 @@ class Checkpointer:
             if os.path.isdir(path):
                 _touch(markers.format("failed"))
             raise
+
+    @staticmethod
+    def _commit(path: str):
+        """Sets the group's write_completed, atomically, in a folder that still exists (_replace_file_in)."""
+        with open(os.path.join(path, "zarr.json")) as f:
+            group = json.load(f)
+        group["attributes"]["write_completed"] = True
+        _replace_file_in(path, "zarr.json", json.dumps(group, indent=2).encode())
 
     def _wait(self, condition, step: int, what: str):
         failed = os.path.join(self.step_dir(step), f".failed.{self.token}")

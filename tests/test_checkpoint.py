@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -36,7 +37,7 @@ from fixtures import (
     tiny_overrides,
     train_args,
 )
-from seqax import sharded_zarr
+from seqax import checkpoint, sharded_zarr
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError
 from seqax.shardlib.shardtypes import make_shardings
@@ -310,6 +311,43 @@ def test_failed_background_write_stops_training(tmp_path, monkeypatch):
             time.sleep(0.01)
     checkpointer.close()
     assert checkpointer.latest_step() is None
+
+
+@pytest.mark.parametrize("when", ["checked", "its arrays are written"])
+def test_a_run_directory_deleted_during_a_save_is_not_made_again(tmp_path, monkeypatch, when):
+    """The run directory removed (rm -rf) while a checkpoint is saved: just after the save checked that it is
+    the run's, or once the checkpoint's arrays are written (before the commit). The save fails in one line
+    naming what is missing, and nothing under the run directory is made again. (The save made the folder of
+    checkpoints with makedirs, and with it the run directory: a run directory deleted under a live run came
+    back with a checkpoint in it, now and then, in test_run_lock's end-to-end test. The commit is written
+    by this module too, not zarr's store, which makes every missing folder above a file it writes.)"""
+    run = tmp_path / "run"
+    run.mkdir()
+    checkpointer = Checkpointer(str(run / "checkpoints"), checkpoint_config())
+    if when == "checked":
+        identity = checkpoint._identity
+
+        def identity_then_delete(path):
+            found = identity(path)
+            if os.fspath(path) == str(run):
+                shutil.rmtree(run)
+            return found
+
+        monkeypatch.setattr(checkpoint, "_identity", identity_then_delete)
+    else:
+        wait_for = Checkpointer._wait
+
+        def wait(self, condition, step, what):
+            wait_for(self, condition, step, what)
+            if what.startswith("every process to write"):
+                shutil.rmtree(run)
+
+        monkeypatch.setattr(Checkpointer, "_wait", wait)
+    checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
+    with pytest.raises(CheckpointError, match=r"failed: .*; no checkpoint was committed; fix the cause"):
+        checkpointer.wait()
+    checkpointer.close()
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
