@@ -186,29 +186,29 @@ def test_a_checkpoint_rotated_away_while_read_is_not_called_damaged(run_dir, tmp
                                                "model.d_ff=128", "model.layers=1", "model.vocab=258",
                                                "+paths.model_name=live", "checkpoints.keep=1"])
     state = train.init_state(cfg, train.make_mesh(4, 2))
-    writer = Checkpointer(str(live / "checkpoints"), cfg.checkpoints)
-    for step in (1, 2):
-        writer.save(step, state)
-    writer.wait()
-    read_chunk, saves, one_at_a_time = sharded_zarr.read_chunk, [3, 4], threading.Lock()
+    # closed however the test ends: its threads would outlive a failed assertion (and fail the next tests' checks)
+    with Checkpointer(str(live / "checkpoints"), cfg.checkpoints) as writer:
+        for step in (1, 2):
+            writer.save(step, state)
+        writer.wait()
+        read_chunk, saves, one_at_a_time = sharded_zarr.read_chunk, [3, 4], threading.Lock()
 
-    def read_while_the_run_saves(*args):
-        with one_at_a_time:  # the reader's threads read chunks at once
-            for step in saves:  # at the first chunk read, the run saves, and rotation deletes what is read
-                writer.save(step, state)
-            writer.wait()
-            saves.clear()
-        return read_chunk(*args)
+        def read_while_the_run_saves(*args):
+            with one_at_a_time:  # the reader's threads read chunks at once
+                for step in saves:  # at the first chunk read, the run saves, and rotation deletes what is read
+                    writer.save(step, state)
+                writer.wait()
+                saves.clear()
+            return read_chunk(*args)
 
-    monkeypatch.setattr(sharded_zarr, "read_chunk", read_while_the_run_saves)
-    assert export_hf.export(str(live), str(tmp_path / "hf")) == 4
-    assert sorted(os.listdir(live / "checkpoints")) == ["0000000003", "0000000004"]
-    saves.extend([5, 6])
-    with pytest.raises(CheckpointError, match=r"checkpoint .*/0000000004 was removed while it was read \(the run's "
-                                              r"rotation, checkpoints.keep\); read a newer one: the committed steps "
-                                              r"are now \[5, 6\]"):
-        export_hf.export(str(live), str(tmp_path / "hf4"), step=4)
-    writer.close()
+        monkeypatch.setattr(sharded_zarr, "read_chunk", read_while_the_run_saves)
+        assert export_hf.export(str(live), str(tmp_path / "hf")) == 4
+        assert sorted(os.listdir(live / "checkpoints")) == ["0000000003", "0000000004"]
+        saves.extend([5, 6])
+        with pytest.raises(CheckpointError, match=r"checkpoint .*/0000000004 was removed while it was read \(the "
+                                                  r"run's rotation, checkpoints.keep\); read a newer one: the "
+                                                  r"committed steps are now \[5, 6\]"):
+            export_hf.export(str(live), str(tmp_path / "hf4"), step=4)
 
 
 @pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
