@@ -98,10 +98,12 @@ def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
     return 2.0 * math.prod(out) * math.prod(lhs[d] for d in dims)
 
 
-def is_float8(operand_shapes: list[str]) -> bool:
-    """Whether a matmul multiplies float8: both of its operands are (e4m3 or e5m2)."""
-    types = [hlo.arrays(s)[0][0] if hlo.arrays(s) else "" for s in operand_shapes[:2]]
-    return len(types) == 2 and all(t.startswith("f8") for t in types)
+def matmul_cost(inst: hlo.Instruction, operand_shapes: list[str]) -> tuple[float, float]:
+    """(dot_flops, the part of them in float8): all of them where both operands are float8 (e4m3 or
+    e5m2), priced at the float8 rate; none where either is wider."""
+    flops = dot_flops(inst, operand_shapes)
+    types = [arrays[0][0] if (arrays := hlo.arrays(s)) else "" for s in operand_shapes[:2]]
+    return flops, flops if len(types) == 2 and all(t.startswith("f8") for t in types) else 0.0
 
 
 def convolution_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
@@ -208,9 +210,8 @@ class _Program:
         matmul = float8 = other = 0.0
         for i in body.instructions:
             if i.opcode in ("dot", "convolution"):
-                shapes = [by_name[o].shape for o in i.operands if o in by_name]
-                flops = dot_flops(i, shapes)
-                matmul, float8 = matmul + flops, float8 + (flops if is_float8(shapes) else 0.0)
+                flops, in_float8 = matmul_cost(i, [by_name[o].shape for o in i.operands if o in by_name])
+                matmul, float8 = matmul + flops, float8 + in_float8
             elif i.opcode == "fusion" and i.calls:  # a nested fusion (Triton's): its own arithmetic
                 nested_matmul, nested_float8, nested_other, _ = self.fusion_cost(body.name, i)
                 matmul, float8, other = matmul + nested_matmul, float8 + nested_float8, other + nested_other
@@ -299,8 +300,7 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                 target = inst.attribute("custom_call_target") or ""
                 nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(hlo.tuple_elements(inst.shape)[0])
                 if target.startswith(MATMUL_CALLS):
-                    flops = dot_flops(inst, operands)
-                    float8 = flops if is_float8(operands) else 0.0
+                    flops, float8 = matmul_cost(inst, operands)
                     add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=float8)
                 elif target.startswith(ATTENTION_CALLS):
                     add(name, inst, runs, out, "attention", fused_attention_flops(inst, operands), 0.0, nbytes)
@@ -310,8 +310,8 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                     add(name, inst, runs, out, "memory", 0.0, 0.0, nbytes)
             elif op in ("dot", "convolution"):
                 nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
-                flops = dot_flops(inst, operands)
-                add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=flops if is_float8(operands) else 0.0)
+                flops, float8 = matmul_cost(inst, operands)
+                add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=float8)
             else:  # an unfused operation: a copy, a bare add, a sort, ...
                 nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
                 other = 0.0 if op in DATA_MOVEMENT else _element_count(inst.shape)
