@@ -13,7 +13,6 @@ float8 as conversions around float32 arithmetic: its step time says nothing of a
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -21,32 +20,32 @@ import sys
 import numpy as np
 
 from seqax.config import MATMUL_DTYPES, load_config
+from tools.plot_metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def read(path: str) -> tuple[list[tuple[int, float]], list[float]]:
-    """(step, eval_loss) of every evaluation and the step times (s) of a run's metrics.jsonl."""
-    if not os.path.exists(path):
+def read(run_dir: str) -> tuple[list[tuple[int, float]], list[float]]:
+    """(step, eval_loss) of every evaluation and the step times (s) of a run, as tools.plot_metrics reads
+    its metrics.jsonl (a step logged twice counts once)."""
+    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         return [], []
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    evals = sorted({line["step"]: line["eval_loss"] for line in lines if "eval_loss" in line}.items())
-    return evals, [line["step_time"] for line in lines if "step_time" in line]
+    series = read_metrics(run_dir)
+    return sorted(series.get("eval_loss", {}).items()), [t for _, t in sorted(series.get("step_time", {}).items())]
 
 
 def run(config: str, dtype: str, seed: int, steps: int, output: str, overrides: list[str]):
     """The run's evaluations and step times; trains it unless its metrics end with the last evaluation."""
     name = f"{config}-{dtype}-seed{seed}"
-    metrics = os.path.join(output, name, "metrics.jsonl")
-    evals, times = read(metrics)
+    run_dir = os.path.join(output, name)
+    evals, times = read(run_dir)
     if not evals or evals[-1][0] != steps:
         print(f"running {name}", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "train", f"--config-path={os.path.join(ROOT, 'configs')}",
                         f"--config-name={config}", f"+paths.model_name={name}", f"paths.root_working_dir={output}",
                         f"model.matmul_dtype={dtype}", f"training.seed={seed}", "checkpoint_interval=0",
                         *overrides], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-        evals, times = read(metrics)
+        evals, times = read(run_dir)
     return evals, times
 
 
