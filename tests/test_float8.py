@@ -26,8 +26,9 @@ def test_the_scaled_cast_rounds_once_by_a_power_of_two():
         assert np.log2(scale) == np.round(np.log2(scale))  # a power of two: x * scale is exact
         assert largest / 2 < np.max(np.abs(x)) * scale <= largest  # the amax lands in the top binade
         np.testing.assert_array_equal(values.view(np.uint8), (x * scale).astype(numpy_type).view(np.uint8))
-    zeros, inverse = scaled(jnp.zeros((4, 4)), E4M3)
-    assert float(inverse) == 1.0 and not np.any(np.asarray(zeros, np.float32))
+    for shape in ((4, 4), (4, 0)):  # zeros, or none (the dense SwiGLU's weights of a model with d_ff 0)
+        zeros, inverse = scaled(jnp.zeros(shape), E4M3)
+        assert float(inverse) == 1.0 and zeros.shape == shape and not np.any(np.asarray(zeros, np.float32))
     for bad in (np.inf, np.nan):  # a non-finite tensor stays non-finite (as its bf16 matmul would be)
         values, _ = scaled(jnp.asarray([1.0, bad]), E4M3)
         assert np.all(np.isnan(np.asarray(values, np.float32)))

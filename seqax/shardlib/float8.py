@@ -23,10 +23,10 @@ E5M2 = jnp.float8_e5m2  # the gradient of a matmul's output
 
 def scaled(x, dtype):
     """(x x scale cast to `dtype`, 1 / scale): the scale the largest power of two that keeps x's amax
-    within dtype's largest value (1 for a tensor of zeros; at most 2^100, so that the tiniest tensors
+    within dtype's largest value (1 for a tensor of zeros or none; at most 2^100, so that the tiniest tensors
     do not overflow the scale). A non-finite amax gives a NaN result, as the matmul in bfloat16 would."""
     largest = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)  # initial: an empty x (a model with d_ff 0) has 0
     exponent = jnp.floor(jnp.log2(largest / jnp.where(amax > 0, amax, largest)))
     scale = jnp.where(jnp.isfinite(amax), jnp.exp2(jnp.clip(exponent, -126, 100)), jnp.nan)
     # In x's own type: a power of two scales a bfloat16 exactly, and a float32 copy of x would be a
