@@ -273,7 +273,7 @@ def experts_block(arch: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, R
     blocks of rows it got only: a loop whose length is the load. Buffers are sized for the worst load
     (every row of the d devices to one device), the work for the real one."""
     B, L, M = nx.shape
-    E, top_k, dtype = arch.experts, arch.experts_per_token, arch.operand_dtype  # (float8: the experts' in bfloat16)
+    E, top_k, dtype, multiply_in = arch.experts, arch.experts_per_token, arch.operand_dtype, arch.matmul_dtype
     scores = jax.nn.sigmoid(jnp.einsum("blm,me->ble", normed, w.router))  # float32 [B, L, E]
     _, chosen = lax.top_k(lax.stop_gradient(scores) + w.expert_bias, top_k)  # [B, L, top_k]; a tie: the lower index
     gates = jnp.take_along_axis(scores, chosen, axis=-1)
@@ -286,13 +286,13 @@ def experts_block(arch: ModelConfig, normed, nx, w: Layer) -> tuple[jax.Array, R
     received = ragged_all_to_all("N M -> d N M", route.rows_in_expert_order(nx), route.sizes)  # slot s: device s's
     sent = all_to_all("I/d E -> I E/d", route.count[None, :E])  # [d, E/d]: rows each device sent each expert here
     listed, ends, expected = received_blocks(sent, N, arch.expert_block)
-    # The experts here, whole: gathered over c and t (FSDP) and cast.
+    # The experts here, whole: gathered over c and t (FSDP) and cast (float8: each block's in grouped_swiglu).
     gate_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_gate, dtype)
     up_w = all_gather_cast("E/d M/c/t H -> E/d M H", w.expert_up, dtype)
     down_w = all_gather_cast("E/d H M/c/t -> E/d H M", w.expert_down, dtype)
     # Each block's SwiGLU (silu(x gate_w) * x up_w) down_w by its expert's weights, as mlp_block's math,
     # rounded to the matmul type and written over the received rows (no second buffer of d N rows).
-    out = grouped_swiglu(received.reshape(d * N, M), listed, gate_w, up_w, down_w, ends, expected)
+    out = grouped_swiglu(received.reshape(d * N, M), listed, gate_w, up_w, down_w, ends, expected, multiply_in)
     # Back here, in row order; kept for backward (N rows, not the d N of the buffers), else recomputed.
     out = save_for_backward(ragged_all_to_all("d N M -> N M", out.reshape(d, N, M), route.sizes)[route.position])
     out = jnp.einsum("tkm,tk->tm", out.reshape(route.tokens, top_k, M), route.share(gates, 0.0))  # float32

@@ -56,8 +56,10 @@ KINDS = ("matmuls", "attention", "elementwise, norms, converts", "experts: matmu
          "experts: dispatch (routing, gathers, combine)", "optimizer: Newton-Schulz", "optimizer: other",
          "communication (exposed)")
 # What an elementwise kernel is made of (the op its code named): inside experts_block these are the
-# experts' SwiGLU and roundings, as the dense SwiGLU's; the rest there moves rows (the dispatch).
-ELEMENTWISE = ("convert_element_type", "mul", "add", "sub", "logistic", "exp", "div", "neg", "max", "min")
+# experts' SwiGLU and roundings, as the dense SwiGLU's, and float8's amax of each block (reduce_max: the
+# dispatch takes no maximum); the rest there moves rows (the dispatch).
+ELEMENTWISE = ("convert_element_type", "mul", "add", "sub", "logistic", "exp", "div", "neg", "max", "min",
+               "reduce_max")
 # The compilers, by platform: the modules that may hold each (any one will do) and its packages
 # (requirements-compilers.txt pins CUDA 12's; jax 0.11 on the lent GPU machine has CUDA 13's).
 COMPILERS = {"cuda": (("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13"), "jax-cuda12-plugin and jax-cuda12-pjrt"),

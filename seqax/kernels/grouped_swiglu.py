@@ -16,6 +16,10 @@ The math is train.py's dense SwiGLU (transformer_layer): gate and up rounded to 
 silu(gate) * up in float32, rounded once, the down matmul's partial sums in float32, rounded once
 to x's dtype (the dense SwiGLU keeps them in float32: here they are the output, in x's buffer).
 
+multiply_in="float8" (model.matmul_dtype) multiplies as einsum_unreduced does (shardlib/float8.py): each
+expert's three weights cast to e4m3 once, each block's rows and hidden activations by their own amax (finer
+than one scale for all rows: a block holds one expert's rows), the gradients of a block's outputs to e5m2.
+
 JAX cannot differentiate a loop of data-dependent length in reverse, so the gradient is written out
 (custom_vjp): the same loops recompute each block's gate, up and hidden values and give its rows'
 input gradient and its group's weight gradients, accumulated in float32.
@@ -30,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqax.shardlib.float8 import E4M3, E5M2, matmul, operand, transposed
 from seqax.shardlib.shardops import zeros_after
 
 
@@ -38,18 +43,20 @@ def trips_name(trips: int) -> str:
     return f"expected_trips={trips}"
 
 
-def grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks: int):
+def grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks: int, multiply_in: str | None = None):
     """x [N, M] (the operands' dtype: bfloat16, or float32 for exact checks); rows [n, b] int32;
     gate_w, up_w [G, M, H]; down_w [G, H, M]; ends int32 [G]. Returns [N, M] in x's dtype: each listed row's
     SwiGLU by its group's weights; rows no block lists are x's, unchanged. expected_blocks: the blocks a group
-    is expected to hold (a static int, read by the roofline only)."""
+    is expected to hold (a static int, read by the roofline only). multiply_in: "float8" casts each matmul's
+    operands (above); anything else multiplies x's dtype as it is."""
     G, M, H = gate_w.shape
     if (x.ndim != 2 or x.shape[1] != M or rows.ndim != 2 or up_w.shape != gate_w.shape
             or down_w.shape != (G, H, M) or ends.shape != (G,)):
         raise ValueError(f"grouped_swiglu: x [N, M], rows [n, b], gate_w and up_w [G, M, H], down_w [G, H, M] "
                          f"and ends [G] needed, got x {x.shape}, rows {rows.shape}, gate_w {gate_w.shape}, "
                          f"up_w {up_w.shape}, down_w {down_w.shape}, ends {ends.shape}")
-    return _grouped_swiglu(x, rows.astype(jnp.int32), gate_w, up_w, down_w, ends.astype(jnp.int32), expected_blocks)
+    return _grouped_swiglu(x, rows.astype(jnp.int32), gate_w, up_w, down_w, ends.astype(jnp.int32), expected_blocks,
+                           multiply_in == "float8")
 
 
 def _group_loop(ends, g: int, expected_blocks: int, body, carry):
@@ -59,38 +66,47 @@ def _group_loop(ends, g: int, expected_blocks: int, body, carry):
         return lax.fori_loop(start, ends[g], body, carry)
 
 
-def _hidden(x_block, gate_w, up_w):
-    """(gate as float32 after rounding, up, the hidden activations) of one block, as the dense SwiGLU."""
-    gate = jnp.matmul(x_block, gate_w, preferred_element_type=jnp.float32).astype(x_block.dtype).astype(jnp.float32)
-    up = jnp.matmul(x_block, up_w, preferred_element_type=jnp.float32).astype(x_block.dtype)
-    return gate, up, (gate * jax.nn.sigmoid(gate) * up).astype(x_block.dtype)
+def _weights(gate_w, up_w, down_w, g: int, float8: bool):
+    """Group g's three weights as matmul operands: sliced (and cast) once, outside its loop."""
+    return tuple(operand(w[g], E4M3, float8) for w in (gate_w, up_w, down_w))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
+def _hidden(x_block, gate_w, up_w, float8: bool):
+    """(x_block as a matmul operand, gate as float32 after rounding, up, the hidden activations) of one
+    block, as the dense SwiGLU."""
+    x8 = operand(x_block, E4M3, float8)
+    gate = matmul(x8, gate_w).astype(x_block.dtype).astype(jnp.float32)
+    up = matmul(x8, up_w).astype(x_block.dtype)
+    return x8, gate, up, (gate * jax.nn.sigmoid(gate) * up).astype(x_block.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks, float8):
     # The output is x's buffer, each block's rows overwritten where they were read: blocks list
     # disjoint rows, so a block never reads a row another has written (a padding place may: its
-    # result is dropped). No second buffer of N rows is made or zeroed.
+    # result is dropped; it counts in its block's amax, a row of x or of an output, finite).
+    # No second buffer of N rows is made or zeroed.
     out = x
     for g in range(ends.shape[0]):
-        weights = gate_w[g], up_w[g], down_w[g]  # sliced once, outside the loop
+        weights = _weights(gate_w, up_w, down_w, g, float8)
 
         def block(i, out, weights=weights):
             gate_w, up_w, down_w = weights
             at = rows[i]
-            hidden = _hidden(out.at[at].get(mode="clip"), gate_w, up_w)[2]
-            y = jnp.matmul(hidden, down_w, preferred_element_type=jnp.float32).astype(out.dtype)
+            hidden = _hidden(out.at[at].get(mode="clip"), gate_w, up_w, float8)[3]
+            y = matmul(operand(hidden, E4M3, float8), down_w).astype(out.dtype)
             return out.at[at].set(y, mode="drop")
 
         out = _group_loop(ends, g, expected_blocks, block, out)
     return out
 
 
-def _forward(x, rows, gate_w, up_w, down_w, ends, expected_blocks):
-    return _grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks), (x, rows, gate_w, up_w, down_w, ends)
+def _forward(x, rows, gate_w, up_w, down_w, ends, expected_blocks, float8):
+    return (_grouped_swiglu(x, rows, gate_w, up_w, down_w, ends, expected_blocks, float8),
+            (x, rows, gate_w, up_w, down_w, ends))
 
 
-def _backward(expected_blocks, residuals, d_out):
+def _backward(expected_blocks, float8, residuals, d_out):
     x, rows, gate_w, up_w, down_w, ends = residuals
     operands = (x, rows, gate_w, up_w, down_w, ends, d_out)
     # dx is d_out's buffer, each block's rows overwritten after they were read (as the forward): a row
@@ -98,28 +114,27 @@ def _backward(expected_blocks, residuals, d_out):
     dx = d_out
     weight_grads = []
     for g in range(ends.shape[0]):
-        weights = gate_w[g], up_w[g], down_w[g]
+        weights = _weights(gate_w, up_w, down_w, g, float8)
 
         def block(i, carry, weights=weights):
             gate_w, up_w, down_w = weights
             dx, d_gate_w, d_up_w, d_down_w = carry
             at = rows[i]
-            x_block = x.at[at].get(mode="clip")
-            gate, up, hidden = _hidden(x_block, gate_w, up_w)
+            x8, gate, up, hidden = _hidden(x.at[at].get(mode="clip"), gate_w, up_w, float8)
             # A padding place reads some row of x (clipped: no mask), but its dy is 0, so it adds nothing.
-            dy = dx.at[at].get(mode="fill", fill_value=0)
-            d_down_w += jnp.matmul(hidden.T, dy, preferred_element_type=jnp.float32)
-            d_hidden = jnp.matmul(dy, down_w.T, preferred_element_type=jnp.float32)
+            dy = operand(dx.at[at].get(mode="fill", fill_value=0), E5M2, float8)
+            d_down_w += matmul(transposed(operand(hidden, E4M3, float8)), dy)
+            d_hidden = matmul(dy, transposed(down_w))
             sig = jax.nn.sigmoid(gate)
             d_gate = (d_hidden * up * sig * (1 + gate * (1 - sig))).astype(x.dtype)  # silu'(g) = s (1 + g (1 - s))
             d_up = (d_hidden * gate * sig).astype(x.dtype)
-            d_gate_w += jnp.matmul(x_block.T, d_gate, preferred_element_type=jnp.float32)
-            d_up_w += jnp.matmul(x_block.T, d_up, preferred_element_type=jnp.float32)
-            dx_block = (jnp.matmul(d_gate, gate_w.T, preferred_element_type=jnp.float32)
-                        + jnp.matmul(d_up, up_w.T, preferred_element_type=jnp.float32))
+            d_gate, d_up = operand(d_gate, E5M2, float8), operand(d_up, E5M2, float8)
+            d_gate_w += matmul(transposed(x8), d_gate)
+            d_up_w += matmul(transposed(x8), d_up)
+            dx_block = matmul(d_gate, transposed(gate_w)) + matmul(d_up, transposed(up_w))
             return dx.at[at].set(dx_block.astype(x.dtype), mode="drop"), d_gate_w, d_up_w, d_down_w
 
-        zeros = tuple(zeros_after(w.shape, jnp.float32, *operands) for w in weights)
+        zeros = tuple(zeros_after(w.shape[1:], jnp.float32, *operands) for w in (gate_w, up_w, down_w))
         dx, *grads = _group_loop(ends, g, expected_blocks, block, (dx, *zeros))
         weight_grads.append(grads)
     d_gate_w, d_up_w, d_down_w = (jnp.stack(grads).astype(w.dtype) for grads, w in

@@ -10,6 +10,9 @@ float32, is multiplied by both inverse scales. The forward's operands go to e4m3
 output's gradient to e5m2 (range: a gradient's values spread wider), which the backward's two matmuls
 multiply by the forward's e4m3 operands (GPUs multiply e4m3 x e5m2; not e5m2 x e5m2).
 
+grouped_swiglu (the experts) casts the same way, each expert's weights once and each block of rows on its
+own (`operand`, `matmul`).
+
 A scale is a power of two: multiplying by it only moves exponents, so the cast is the one rounding
 and the inverse scale undoes the scale exactly. The amax is of what one device holds (a weight's
 block after its gathers): each device's matmul is scaled on its own, and no collective is added.
@@ -34,3 +37,21 @@ def scaled(x, dtype):
     # rounded up by one ulp (amax x scale a hair above largest), which e4m3, having no infinity, would
     # cast to NaN.
     return jnp.clip(x * scale.astype(x.dtype), -largest, largest).astype(dtype), 1 / scale
+
+
+def operand(x, dtype, float8: bool):
+    """A matmul operand as `matmul` takes it: (x scaled and cast to `dtype`, its inverse scale) when float8,
+    else (x, None), multiplied as it is."""
+    return scaled(x, dtype) if float8 else (x, None)
+
+
+def transposed(pair):
+    """The transpose of a 2-D `operand`: the same scale (an amax does not depend on the order)."""
+    return pair[0].T, pair[1]
+
+
+def matmul(a, b):
+    """a @ b of two `operand`s, accumulated in float32, the scales undone."""
+    (a, a_inverse), (b, b_inverse) = a, b
+    product = jnp.matmul(a, b, preferred_element_type=jnp.float32)
+    return product if a_inverse is None else product * (a_inverse * b_inverse)
