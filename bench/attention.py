@@ -7,16 +7,19 @@
 
 Methods: dense (attention.dense_attention, every score of a row materialized), blockwise
 (attention.ring_attention on a ring of one device, blocks of each --blocks), pallas (the flash
-kernels of flash_attention.py, blocks chosen for the platform), cudnn
-(jax.nn.dot_product_attention's cuDNN kernel, causal only: no documents; the speed anchor on a
-GPU). Inputs are random bfloat16 with about --documents documents a row (4; with 1, every row one
-document: all the causal pairs, the work cuDNN's kernel does, whose FLOP rate is printed too:
-6 B Q K L^2 D FLOPs over the time). By default, the methods the
-device runs fast: dense and blockwise on a CPU, blockwise, pallas and cudnn on a GPU, blockwise
-and pallas on a TPU.
+kernels of flash_attention.py for the device, blocks chosen for it), pallas_triton and pallas_hopper
+(one GPU lowering of them: Triton's, Mosaic GPU's), cudnn (jax.nn.dot_product_attention's cuDNN kernel,
+causal only: no documents; the speed anchor on a GPU), jax_mgpu (JAX's own Mosaic GPU attention example,
+jax.experimental.pallas.ops.gpu.attention_mgpu: causal, no documents, all heads as many kv heads, and
+forward only, as its causal backward is not written). Inputs are random bfloat16 with about --documents
+documents a row (4; with 1, every row one document: all the causal pairs, the work cuDNN's kernel does,
+whose FLOP rate is printed too: 6 B Q K L^2 D FLOPs over the time). By default, the methods the device
+runs fast: dense and blockwise on a CPU; blockwise, both Pallas lowerings, cudnn and jax_mgpu on a GPU;
+blockwise and pallas on a TPU.
 
 It prints one row per (length, method): the median time of value-and-gradient after a warm-up,
-the speed-up over the first method, and the compiled program's temporary bytes.
+the speed-up over the first method, and the compiled program's temporary bytes (jax_mgpu: forward only,
+its FLOP rate over the forward's 2 B Q K L^2 D FLOPs).
 """
 
 import argparse
@@ -30,8 +33,10 @@ from jax.sharding import PartitionSpec as P
 import train
 from seqax.kernels import attention
 
-DEFAULT_METHODS = {"cpu": ("dense", "blockwise"), "gpu": ("blockwise", "pallas", "cudnn"),
+DEFAULT_METHODS = {"cpu": ("dense", "blockwise"),
+                   "gpu": ("blockwise", "pallas_triton", "pallas_hopper", "cudnn", "jax_mgpu"),
                    "tpu": ("blockwise", "pallas")}
+FORWARD_ONLY = ("jax_mgpu",)
 
 
 def attention_inputs(B: int, L: int, Q: int, K: int, D: int, documents: int = 4):
@@ -60,12 +65,27 @@ def cudnn(q, k, v, doc_start):
     return jnp.swapaxes(o.reshape(B, L, K, Q, D), 2, 3)
 
 
+def jax_mgpu(q, k, v, doc_start):
+    """JAX's Mosaic GPU attention example, causal (no documents), forward: heads [B, L, K Q, D] over k, v
+    repeated to K Q heads (the example's kv heads are its query heads' groups, but its blocks want them
+    whole)."""
+    del doc_start
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    B, L, Q, K, D = q.shape
+    q = jnp.swapaxes(q, 2, 3).reshape(B, L, K * Q, D)
+    config = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=True)
+    o = attention_mgpu.attention(q, jnp.repeat(k, Q, axis=2), jnp.repeat(v, Q, axis=2), config)
+    return jnp.swapaxes(o.reshape(B, L, K, Q, D), 2, 3)
+
+
 def kernel_on_one_device(kernel: str, block: int, mesh):
     """attention.kernel_for(kernel) on the mesh's platform inside shard_map on one device: a ring of
     its own keys."""
     def attend(q, k, v, doc_start):
         row_position = jnp.arange(q.shape[1], dtype=jnp.uint32)
-        chosen = attention.kernel_for(kernel, mesh.devices.flat[0].platform)
+        device = mesh.devices.flat[0]
+        chosen = attention.kernel_for(kernel, device.platform, device.device_kind)
         return jax.shard_map(lambda *a: chosen(*a, row_position, block), mesh=mesh, in_specs=P(), out_specs=P())(
             q, k, v, doc_start)
 
@@ -73,7 +93,7 @@ def kernel_on_one_device(kernel: str, block: int, mesh):
 
 
 def method(name: str, block: int, mesh):
-    return {"dense": dense, "cudnn": cudnn}.get(name) or kernel_on_one_device(name, block, mesh)
+    return {"dense": dense, "cudnn": cudnn, "jax_mgpu": jax_mgpu}.get(name) or kernel_on_one_device(name, block, mesh)
 
 
 def value_and_grad(attend):
@@ -84,6 +104,10 @@ def value_and_grad(attend):
                        * jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32)))
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def forward(attend):
+    return jax.jit(lambda q, k, v, doc_start: attend(q, k, v, doc_start))
 
 
 def measure(fn, args, repeats: int) -> tuple[float, int]:
@@ -116,10 +140,12 @@ def on_this_device(args):
             for block in args.blocks if name == "blockwise" else [max(b for b in args.blocks if L % b == 0)]:
                 if L % block:
                     continue
-                seconds, temp = measure(value_and_grad(method(name, block, mesh)), inputs, args.repeats)
+                timed = forward if name in FORWARD_ONLY else value_and_grad
+                seconds, temp = measure(timed(method(name, block, mesh)), inputs, args.repeats)
                 first = first or seconds
                 label = f"{name} {block}" if name == "blockwise" else name
-                rate = f" {flops / seconds / 1e12:>7.1f}" if causal else ""
+                work = flops / 3 if name in FORWARD_ONLY else flops  # the forward: 2 of the 6
+                rate = f" {work / seconds / 1e12:>7.1f}" if causal else ""
                 print(f"{L:>6} {label:>16} {seconds * 1e3:>11.1f} {first / seconds:>8.2f}x {temp / 2**20:>9.1f}{rate}",
                       flush=True)
 
@@ -132,7 +158,8 @@ def main(argv=None):
     parser.add_argument("--d-head", type=int, default=64)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 256, 512])
-    parser.add_argument("--methods", nargs="+", choices=["dense", "blockwise", "pallas", "cudnn"])
+    parser.add_argument("--methods", nargs="+", choices=["dense", "blockwise", "pallas", "pallas_triton",
+                                                         "pallas_hopper", "cudnn", "jax_mgpu"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--documents", type=int, default=4, help="documents a row, about (1: causal only)")
     args = parser.parse_args(argv)

@@ -3,7 +3,8 @@ compilers (bench/compile_for.py's devices), and timed by the roofline: bench/att
 at the ladder's heads.
 
     .venv-compilers/bin/python -m bench.attention_for --target h200 [v6e ...] [--models 125m 350m 1b 2b]
-        [--lengths 2048 8192 32768] [--batch 1] [--methods blockwise pallas dense] [--json rows.json]
+        [--lengths 2048 8192 32768] [--batch 1] [--methods blockwise pallas pallas_triton pallas_hopper dense]
+        [--json rows.json]
 
 For the heads of each ladder model (configs/gpu1_MODEL.yaml: Q query heads per kv head, K kv
 heads, d_head D) and each length, one row per method: by default blockwise with the ladder's
@@ -57,8 +58,8 @@ def main(argv=None):
                         help="the ladder models whose heads to compile (configs/gpu1_MODEL.yaml)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--methods", nargs="+", choices=["dense", "blockwise", "pallas"],
-                        default=["blockwise", "pallas"])
+    parser.add_argument("--methods", nargs="+", default=["blockwise", "pallas"],
+                        choices=["dense", "blockwise", "pallas", "pallas_triton", "pallas_hopper"])
     parser.add_argument("--json", help="also write the rows there, as a JSON list")
     args = parser.parse_args(argv)
     rows = []

@@ -78,7 +78,9 @@ class ModelConfig:
     norm_eps: float
     attention_block: int  # positions per attention block; divides training.tokens.len (speed and memory, not the math)
     # which kernel computes attention (the same math, up to rounding): "auto" (Pallas on GPUs and TPUs,
-    # blockwise on CPUs), "pallas", "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
+    # blockwise on CPUs), "pallas" (the device's: Mosaic GPU's on a Hopper where d_head and attention_block
+    # are multiples of 64, else Triton's; Mosaic TPU's), "pallas_triton" or "pallas_hopper" (one GPU lowering,
+    # to compare them), "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
     attention_kernel: str = "auto"
     # the type matmuls multiply in (products accumulate in float32): "bfloat16", the fast path on every
     # accelerator; "float8", the linear layers' and experts' matmuls in e4m3 (their gradients' in e5m2), each operand
@@ -101,7 +103,8 @@ class ModelConfig:
         return "bfloat16" if self.matmul_dtype == "float8" else self.matmul_dtype
 
 
-ATTENTION_KERNELS = ("auto", "pallas", "blockwise", "reference")  # attention.training_attention's
+# attention.training_attention's
+ATTENTION_KERNELS = ("auto", "pallas", "pallas_triton", "pallas_hopper", "blockwise", "reference")
 MATMUL_DTYPES = ("bfloat16", "float8", "float32")
 
 # The model's dimensions (train.py's legend) and the keys of the `model:` section that size them:

@@ -47,8 +47,10 @@ import pytest  # noqa: E402
 
 THREAD_EXIT_SECONDS = 5  # how long a test's threads may take to finish after it returns
 # Threads that a library starts on first use and keeps for the life of the process: zarr's event
-# loop and the workers of that loop's default executor, tqdm's monitor of progress bars.
-LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor")
+# loop and the workers of that loop's default executor, tqdm's monitor of progress bars, and XLA:CPU's
+# worker threads once one has run Python (a host callback: Mosaic GPU's interpret mode makes them), which
+# Python lists as Dummy-N.
+LIBRARY_THREADS = ("zarr_io", "asyncio_", "tqdm_monitor", "Dummy-")
 # Environment variables that pytest or a library sets for itself on import: torch; scikit-learn
 # (lm-eval's, which `datasets` imports where it is installed); tensorboardX (its CRC32C mode, as train.py's
 # records import it); JAX's Mosaic GPU, which Pallas imports when it first lowers a kernel (its MOSAIC_GPU_*

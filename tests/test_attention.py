@@ -11,7 +11,7 @@ import train
 from fixtures import make_mesh, tiny_config
 from seqax.config import ConfigError
 from seqax.kernels import attention
-from seqax.kernels.flash_attention import ring_flash_attention
+from seqax.kernels.flash_attention import lowering_for, ring_flash_attention
 from seqax.shardlib.shardtypes import f32, typed_shard_map, u32
 
 B, L, Q, K, D = 4, 64, 2, 4, 16
@@ -181,14 +181,40 @@ def test_forward_refuses_a_length_that_is_not_whole_blocks():
 def test_the_kernel_is_the_platforms_unless_the_config_names_one():
     """model.attention_kernel=auto: the Pallas kernels on GPUs and TPUs, blockwise on CPUs, read from
     the mesh the layer runs on; a name chooses that kernel on any platform."""
-    for platform in ("gpu", "tpu"):
-        kernel = attention.kernel_for("auto", platform)
-        assert (kernel.func, kernel.keywords) == (ring_flash_attention, {"platform": platform})
+    for platform, kind in (("gpu", "NVIDIA H200"), ("tpu", "TPU v6 lite")):
+        kernel = attention.kernel_for("auto", platform, kind)
+        assert (kernel.func, kernel.keywords) == (ring_flash_attention,
+                                                  {"platform": platform, "kernel": "pallas", "device_kind": kind})
     assert attention.kernel_for("auto", "cpu") is attention.ring_attention
     assert attention.kernel_for("blockwise", "gpu") is attention.ring_attention
     assert attention.kernel_for("reference", "tpu") is attention.reference_attention
-    assert attention.kernel_for("pallas", "cpu").keywords == {"platform": "cpu"}
+    assert attention.kernel_for("pallas_hopper", "cpu").keywords["kernel"] == "pallas_hopper"
     chosen = []
     jax.eval_shape(jax.shard_map(lambda x: chosen.append(attention.training_attention("auto")) or x,
                                  mesh=make_mesh(1, 1), in_specs=P(), out_specs=P()), jnp.zeros(()))
     assert chosen == [attention.ring_attention]
+
+
+def test_pallas_on_a_gpu_is_the_hopper_lowering_on_a_hopper_where_its_shapes_fit():
+    """flash_attention.lowering_for: model.attention_kernel=pallas runs the Mosaic GPU kernels on a Hopper (JAX's
+    device kinds for H100, H200, H800, H20, GH200) when d_head and the attention block are multiples of 64, and
+    Triton's on other GPUs (an A100, a B200: wgmma is Hopper's) or other shapes; pallas_triton and pallas_hopper
+    force one, on a CPU interpreted; a request that cannot run stops with one line."""
+    hoppers = ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA H800", "NVIDIA H20",
+               "NVIDIA GH200 480GB")
+    for kind in hoppers:
+        assert lowering_for("pallas", "gpu", kind, 128, 512) == "hopper", kind
+        assert lowering_for("pallas_triton", "gpu", kind, 128, 512) == "gpu", kind
+    for kind in ("NVIDIA A100-SXM4-80GB", "NVIDIA B200", "NVIDIA GeForce RTX 4090"):
+        assert lowering_for("pallas", "gpu", kind, 128, 512) == "gpu", kind
+        with pytest.raises(ConfigError, match=r"^model.attention_kernel=pallas_hopper needs a Hopper GPU"):
+            lowering_for("pallas_hopper", "gpu", kind, 128, 512)
+    assert lowering_for("pallas", "gpu", "NVIDIA H200", 32, 512) == "gpu"  # d_head of 32: Triton's
+    assert lowering_for("pallas", "gpu", "NVIDIA H200", 128, 32) == "gpu"
+    assert lowering_for("pallas", "cpu", "cpu", 64, 64) == "gpu"  # on a CPU, pallas interprets Triton's
+    assert lowering_for("pallas_hopper", "cpu", "cpu", 64, 64) == "hopper"
+    assert lowering_for("pallas", "tpu", "TPU v6 lite", 128, 512) == "tpu"
+    with pytest.raises(ConfigError, match=r"d_head \(here 32\)"):
+        lowering_for("pallas_hopper", "gpu", "NVIDIA H200", 32, 512)
+    with pytest.raises(ConfigError, match=r"^model.attention_kernel=pallas_hopper is a GPU kernel; on a TPU"):
+        lowering_for("pallas_hopper", "tpu", "TPU v6 lite", 128, 512)

@@ -159,6 +159,33 @@ def test_the_pallas_kernels_compile_around_the_ring(tmp_path):
     assert row["seconds_by_kind"]["attention"] > 0 and row["collectives_per_step"] > 20
 
 
+def test_the_hopper_kernels_compile_for_hopper_and_are_priced_at_their_flops(tmp_path):
+    """flash_hopper.py's kernels (model.attention_kernel=pallas_hopper: Mosaic GPU custom calls) compiled for an
+    H100 and an H200 with the 1b model's heads at L = 8192: the roofline reads the matmul FLOPs they state, so
+    their forward + backward lies just above causal attention's FLOPs bound (1.5x: the backward's recomputed
+    scores; a little more: the operands XLA transposes for them), as Triton's kernels do. On a B200 (no wgmma:
+    its lowering refuses the kernels) the request stops with one line. And a training step with them around
+    the context-parallel ring compiles for 8 H200s."""
+    rows = tmp_path / "rows.json"
+    command = [COMPILERS_PYTHON, "-m", "bench.attention_for", "--target", "h100", "h200", "--models", "1b",
+               "--lengths", "8192", "--methods", "pallas_hopper", "pallas_triton", "--json", str(rows)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = {(row["target"], row["method"]): row for row in json.loads(rows.read_text())}
+    for target in ("h100", "h200"):
+        hopper, triton = found[target, "pallas_hopper"], found[target, "pallas_triton"]
+        assert 1.5 < hopper["roofline_seconds"] / hopper["bound_seconds"] < 1.7, hopper
+        assert hopper["roofline_seconds"] < 1.1 * triton["roofline_seconds"], (hopper, triton)
+    command[command.index("h100"):command.index("--models")] = ["b200"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0 and "pallas_hopper needs a Hopper GPU" in result.stderr, result.stderr[-2000:]
+    # and in the training step, around the ring (c = 2: float32 results staged apart) on 8 H200s
+    [row] = compile_for(tmp_path, "hopper_ring", ["local_test_synthetic"], ["h200"], "mesh.d=2", "mesh.t=2",
+                        "mesh.c=2", "training.tokens.len=256", "model.d_head=64", "model.attention_block=64",
+                        "model.attention_kernel=pallas_hopper")
+    assert row["seconds_by_kind"]["attention"] > 0 and row["collectives_per_step"] > 20, row
+
+
 def test_the_pallas_kernels_are_near_their_flops_bound_and_linear_in_memory(tmp_path):
     """bench/attention_for.py on one H200 with the 1b model's heads (4 x 4 of 128), one row: per the
     roofline, the Pallas kernels' forward + backward at L = 8192 takes at most 1.6x causal

@@ -187,7 +187,7 @@ def test_training_on_a_dataset_with_a_deleted_chunk_exits_before_the_first_step(
     ("model.d_head=0", r"model.d_head=0 must be positive"),
     ("model.n_q_per_kv=0", r"model.n_q_per_kv=0 must be positive"),
     ("model.attention_kernel=flash", r"model.attention_kernel='flash' is not a kernel; choose one of auto, pallas, "
-     "blockwise, reference"),
+     "pallas_triton, pallas_hopper, blockwise, reference"),
     ("model.matmul_dtype=float16", r"model.matmul_dtype='float16' is not a matmul type; choose one of bfloat16, "
      "float8, float32"),
     ("training.learning_rate=-1e-3", r"training.learning_rate=-0.001 must not be negative"),

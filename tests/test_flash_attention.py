@@ -34,8 +34,8 @@ import train
 from fixtures import make_mesh, put_batch, random_batch, tiny_config
 from seqax.config import ConfigError
 from seqax.data.data_loader import zigzag_order
-from seqax.kernels import attention, flash_gpu, flash_tpu
-from seqax.kernels.flash_attention import _ring_flash_attention, tiling_for
+from seqax.kernels import attention, flash_gpu, flash_hopper, flash_tpu
+from seqax.kernels.flash_attention import _ring_flash_attention, merge, tiling_for
 from seqax.kernels.flash_blocks import Tiling, key_block_ranges, query_block_ranges
 
 F32 = jnp.float32
@@ -114,12 +114,13 @@ def plain(lowering: str, block: int) -> Tiling:
 KERNELS = {  # name -> (q, k, v, doc_start, row_position, block) -> o, inside shard_map
     "flash gpu": lambda *a: _ring_flash_attention(*a[:5], plain("gpu", a[5])),
     "flash tpu": lambda *a: _ring_flash_attention(*a[:5], plain("tpu", a[5])),
+    "flash hopper": lambda *a: _ring_flash_attention(*a[:5], plain("hopper", a[5])),
     "blockwise": attention.ring_attention,
     "reference": attention.reference_attention,
 }
 
 
-def on_ring(c: int, block: int, kernels=tuple(KERNELS)):
+def on_ring(c: int, block: int, kernels=("flash gpu", "flash tpu", "blockwise", "reference")):
     """Each kernel's output and gradients (for the output cotangent do) on a ring of c devices,
     every device holding its two chunks of each row (zigzag_order), in one compiled program;
     inputs and results in row order."""
@@ -186,22 +187,80 @@ def test_a_ring_of_c_devices(c):
     check_all(results, *exact(q, k, v, doc, doc, position, position, do))
 
 
-@pytest.mark.parametrize("lowering", [flash_gpu, flash_tpu], ids=["gpu", "tpu"])
-def test_skipped_blocks_are_not_read(lowering):
-    """Queries at positions 48..79 (L = 32) over keys 0..127 (S = 128: L != S), all in one document
-    that starts at 40, inside key block 32..47. The key blocks wholly before 40 (0..31) and wholly
-    after 79 (80..127) hold NaN: a visited one would put NaN into o through P V (0 x NaN = NaN) and
-    into dk and dv. Their dk and dv must be exactly 0. Q = 3 query heads (not a power of 2, as the
-    ladder's 125m and 2b have 3 and 5) share the one kv head."""
-    B, Q, K, D, block = 1, 3, 1, 16, 16
-    q, k, v, do = qkv_and_cotangent(4, B, 32, 128, Q, K, D)
-    q_pos, k_pos = np.arange(48, 80, dtype=np.int32), np.arange(128, dtype=np.int32)
-    k_doc = np.where(k_pos >= 40, 40, 0).astype(np.int32)[None, :]
-    q_doc = k_doc[:, 48:80]
+@pytest.mark.slow
+def test_the_hopper_kernels_on_packed_documents():
+    """flash_hopper.py's kernels in Mosaic GPU's interpret mode (warpgroups as threads, shared memory, TMA
+    copies and barriers simulated), at their shapes (blocks of 64, D = 64), as training calls them: a row
+    of packed documents, some crossing block edges, one starting on one; Q = 2 query heads per kv head; 4
+    blocks. Forward and the three gradients against exact attention, and against the blockwise kernel."""
+    B, Q, K, D, block = 1, 2, 1, 64, 64
+    L = 4 * block
+    q, k, v, do = qkv_and_cotangent(10, B, L, L, Q, K, D)
+    doc = doc_starts([[5, 63, 64, 130, 131, 200]], L)
+    position = np.arange(L, dtype=np.uint32)
+    start = time.perf_counter()
+    results = on_ring(1, block, ("flash hopper", "blockwise"))(q, k, v, doc, do)
+    print(f"  hopper and blockwise (compile and interpret): {time.perf_counter() - start:.1f} s")
+    want, bounds = exact(q, k, v, doc, doc, position, position, do)
+    for name, got in results.items():
+        check(name, got, want, bounds)
+    check("flash hopper against blockwise", results["flash hopper"], results["blockwise"], bounds, slack=4.0)
+
+
+@pytest.mark.slow
+def test_the_hopper_kernels_keep_the_rings_contract():
+    """A ring step's work, as flash_attention.ring_forward and ring_backward give it to the kernels, on one
+    device: a device's queries (its two zigzag chunks of a row of 4 blocks, c = 2) against each device's
+    keys in turn, the results in float32; the two steps' (o, lse) merged, each step's gradients taken with
+    the merged o and lse, dq summed. Some queries see none of a step's keys (o = 0, lse = -inf there).
+    Against exact attention over the row. (Mosaic GPU's interpreter cannot run inside a shard_map of
+    several devices: their warpgroup threads block one another, so the ring itself runs Triton's and the
+    TPU's kernels only, test_a_ring_of_c_devices.)"""
+    B, Q, K, D, block = 1, 2, 1, 64, 64
+    L = 4 * block
+    q, k, v, do = qkv_and_cotangent(12, B, L, L, Q, K, D)
+    doc = doc_starts([[30, 100, 190]], L).astype(np.int32)
+    order = zigzag_order(L, 2)
+    here, there = order[: L // 2], order[L // 2:]  # device 0's rows (positions 0..63, 192..255), device 1's
+    tiling = Tiling("hopper", block, block, interpret=True)
+
+    def ring(q, k, v, do):
+        shards = [(k[:, rows], v[:, rows], doc[:, rows], rows.astype(np.int32)) for rows in (here, there)]
+        q, do = q[:, here], do[:, here]
+        steps = [flash_hopper.forward(q, *shard[:2], doc[:, here], shard[2], here.astype(np.int32), shard[3], tiling,
+                                      F32) for shard in shards]
+        o, lse = merge(*steps[0], *steps[1])
+        delta = jnp.einsum("blqkd,blqkd->blqk", do.astype(F32), o)
+        grads = [flash_hopper.backward(q, *shard[:2], do, lse, delta, doc[:, here], shard[2], here.astype(np.int32),
+                                       shard[3], tiling, F32) for shard in shards]
+        return o, grads[0][0] + grads[1][0], *(jnp.concatenate([g[i] for g in grads], axis=1) for i in (1, 2))
+
+    got = compiled(ring, q, k, v, do)(q, k, v, do)
+    # exact: this device's queries over the whole row (dk and dv: their part of the keys' gradients)
+    want, bounds = exact(q[:, here], k, v, doc[:, here], doc, here, np.arange(L), do[:, here])
+    keys = np.concatenate([here, there])  # the kernels' dk and dv: the shards' keys in turn
+    check("hopper ring steps", got, (*want[:2], *(w[:, keys] for w in want[2:])),
+          (*bounds[:2], *(b[:, keys] for b in bounds[2:])))
+
+
+@pytest.mark.parametrize("lowering, block, D", [(flash_gpu, 16, 16), (flash_tpu, 16, 16),
+                                                pytest.param(flash_hopper, 64, 64, marks=pytest.mark.slow)],
+                         ids=["gpu", "tpu", "hopper"])
+def test_skipped_blocks_are_not_read(lowering, block, D):
+    """Queries at positions 3b..5b - 1 (L = 2b, for blocks of b) over keys 0..8b - 1 (S = 8b: L != S), all in
+    one document that starts at 2.5b, inside key block 2b..3b - 1. The key blocks wholly before 2.5b
+    (0..2b - 1) and wholly after 5b - 1 (5b..8b - 1) hold NaN: a visited one would put NaN into o through
+    P V (0 x NaN = NaN) and into dk and dv. Their dk and dv must be exactly 0. Q = 3 query heads (not a
+    power of 2, as the ladder's 125m and 2b have 3 and 5) share the one kv head."""
+    B, Q, K = 1, 3, 1
+    q, k, v, do = qkv_and_cotangent(4, B, 2 * block, 8 * block, Q, K, D)
+    q_pos, k_pos = np.arange(3 * block, 5 * block, dtype=np.int32), np.arange(8 * block, dtype=np.int32)
+    k_doc = np.where(2 * k_pos >= 5 * block, 5 * block // 2, 0).astype(np.int32)[None, :]
+    q_doc = k_doc[:, 3 * block:5 * block]
     want, bounds = exact(q, k, v, q_doc, k_doc, q_pos, k_pos, do)
-    poisoned = ((k_pos < 32) | (k_pos >= 80))[None, :, None, None]
+    poisoned = ((k_pos < 2 * block) | (k_pos >= 5 * block))[None, :, None, None]
     k, v = (np.where(poisoned, np.nan, x).astype(jnp.bfloat16) for x in (k, v))
-    tiling = plain("gpu" if lowering is flash_gpu else "tpu", block)
+    tiling = plain({flash_gpu: "gpu", flash_tpu: "tpu", flash_hopper: "hopper"}[lowering], block)
 
     def forward_and_backward(q, k, v, do):
         o, lse = lowering.forward(q, k, v, q_doc, k_doc, q_pos, k_pos, tiling, q.dtype)

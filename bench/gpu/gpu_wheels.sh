@@ -8,15 +8,16 @@
 # The list is requirements.txt's run-time packages and their dependencies, less what the image
 # has (Python 3.12 with jax 0.11.2, numpy, ml-dtypes, tokenizers, tqdm, protobuf, packaging,
 # PyYAML, typing-extensions, torch): zarr and numcodecs with zarr's donfig, hydra-core and
-# omegaconf with their antlr4 runtime, google-crc32c and tensorboardX. One version of each, for
-# CPython 3.12 on manylinux x86_64, without dependencies (each needed one is named here).
+# omegaconf with their antlr4 runtime, google-crc32c, tensorboardX and absl-py (Mosaic GPU imports it).
+# One version of each, for CPython 3.12 on manylinux x86_64, without dependencies (each needed one is
+# named here).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 PYTHON=${PYTHON:-python3}
 DEST=.whl
 # Versions pinned in requirements.txt, read from it so that the GPU runs what the tests ran.
-FROM_REQUIREMENTS="zarr numcodecs hydra-core omegaconf google-crc32c tensorboardX"
+FROM_REQUIREMENTS="zarr numcodecs hydra-core omegaconf google-crc32c tensorboardX absl-py"
 # Dependencies that requirements.txt does not pin: the versions its pins install here.
 DEPENDENCIES="donfig==0.8.1.post1"
 # antlr4-python3-runtime 4.9.3 (hydra-core and omegaconf need 4.9.*) is published as source

@@ -298,22 +298,27 @@ def ring_attention_forward_saving(q, k, v, doc_start, row_position, block: int):
 ring_attention.defvjp(ring_attention_forward_saving, ring_attention_backward)
 
 
-def kernel_for(kernel: str, platform: str):
+def kernel_for(kernel: str, platform: str, device_kind: str = ""):
     """The attention kernel that model.attention_kernel names, for `platform` (JAX's: "cpu", "gpu",
-    "tpu"), as a function (q, k, v, doc_start, row_position, block) -> o: "pallas" the flash kernels
-    (flash_attention.py; on a CPU in Pallas's interpret mode, which only runs in a shard_map that does
-    not check varying mesh axes: tests/test_flash_attention.py), "blockwise" ring_attention,
-    "reference" reference_attention, and "auto" the fastest on the platform: Pallas on GPUs and
-    TPUs, blockwise on CPUs. All compute the same attention, up to rounding."""
+    "tpu") and `device_kind` (JAX's name of the device), as a function (q, k, v, doc_start, row_position,
+    block) -> o: "pallas" the flash kernels of the device (flash_attention.lowering_for: Mosaic GPU's on a
+    Hopper, Triton's on other GPUs, Mosaic TPU's on a TPU; on a CPU in Pallas's interpret mode, which only
+    runs in a shard_map that does not check varying mesh axes: tests/test_flash_attention.py),
+    "pallas_triton" and "pallas_hopper" one GPU lowering of them, "blockwise" ring_attention, "reference"
+    reference_attention, and "auto" the fastest on the platform: Pallas on GPUs and TPUs, blockwise on
+    CPUs. All compute the same attention, up to rounding."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {ATTENTION_KERNELS}")
     if kernel == "auto":
         kernel = "blockwise" if platform == "cpu" else "pallas"
-    return {"pallas": partial(ring_flash_attention, platform=platform), "blockwise": ring_attention,
-            "reference": reference_attention}[kernel]
+    if kernel.startswith("pallas"):
+        return partial(ring_flash_attention, platform=platform, kernel=kernel, device_kind=device_kind)
+    return {"blockwise": ring_attention, "reference": reference_attention}[kernel]
 
 
 def training_attention(kernel: str):
-    """kernel_for(kernel, the platform of the mesh the caller runs on), inside shard_map."""
+    """kernel_for(kernel, the platform and device kind of the mesh the caller runs on), inside shard_map."""
     device = jax.sharding.get_abstract_mesh().abstract_device
-    return kernel_for(kernel, device.platform if device is not None else jax.default_backend())
+    if device is None:
+        return kernel_for(kernel, jax.default_backend(), jax.devices()[0].device_kind)
+    return kernel_for(kernel, device.platform, device.device_kind)

@@ -1,6 +1,7 @@
 """Flash attention around the context-parallel ring: attention.ring_attention's contract (the same
-arguments, the same numbers up to rounding) with each ring step one Pallas kernel, flash_gpu.py's
-on GPUs (and, in Pallas's interpret mode, on CPUs), flash_tpu.py's on TPUs.
+arguments, the same numbers up to rounding) with each ring step one Pallas kernel: flash_hopper.py's
+(Mosaic GPU) on Hopper GPUs, flash_gpu.py's (Triton) on other GPUs, flash_tpu.py's on TPUs; on CPUs
+either GPU lowering in its interpret mode.
 
 Each ring step runs the forward kernel on the visiting key and value shard, which gives that
 shard's output and log-sum-exp; the steps merge exactly (o = sum_s exp(lse_s - lse) o_s, lse =
@@ -12,6 +13,7 @@ write their results in the inputs' dtype; with c > 1 in float32, rounded once af
 """
 
 import math
+import re
 from functools import partial
 
 import jax
@@ -20,12 +22,16 @@ from jax import lax
 
 from seqax.config import ConfigError
 from seqax.jax_extra import save_in_forward_rule
-from seqax.kernels import flash_gpu, flash_tpu
+from seqax.kernels import flash_gpu, flash_hopper, flash_tpu
 from seqax.kernels.flash_blocks import F32, Tiling
 from seqax.shardlib.bits import is_narrow_float
 from seqax.shardlib.shardops import axis_size, einsum_unreduced, ring_pass
 
-LOWERINGS = {"gpu": flash_gpu, "tpu": flash_tpu}
+LOWERINGS = {"gpu": flash_gpu, "hopper": flash_hopper, "tpu": flash_tpu}
+# The GPUs of compute capability 9.x (Hopper), by the device kind JAX names them with ("NVIDIA H100 80GB HBM3",
+# "NVIDIA H200", "NVIDIA GH200 480GB", ...): inside a traced step only the abstract mesh's device kind is there
+# to read, not the device's compute capability.
+HOPPER_KINDS = re.compile(r"\bG?H(100|200|800|20)\b")
 # What travels round the ring, in the model's layout: k, v (and their gradients), doc_start, row_position.
 KV_SPECS = ("B/d S/c K/t D", "B/d S/c K/t D", "B/d S/c", "S/c")
 # Block sizes that compile for an H200 (D = 128) and a TPU v6e, untuned (no device to time them on):
@@ -40,11 +46,35 @@ GPU_BLOCK_Q, GPU_BLOCK_Q_MANY_HEADS, GPU_BLOCK_K, TPU_BLOCK = 64, 32, 64, 256
 GPU_MIN_DIM = 16
 
 
-def tiling_for(platform: str, q_per_kv: int, attention_block: int, length: int) -> Tiling:
-    """The kernels' blocks on `platform`: the largest divisors of the preferred sizes that divide
-    model.attention_block, which validation.py has checked divides each chunk of a device's
+def lowering_for(kernel: str, platform: str, device_kind: str, d_head: int, attention_block: int) -> str:
+    """Which Pallas kernels model.attention_kernel=`kernel` runs: "tpu" on a TPU; on a GPU (or a CPU,
+    interpreted) "gpu" (Triton) for pallas_triton, "hopper" (Mosaic GPU) for pallas_hopper, and for pallas the
+    Hopper kernels on a Hopper when their shapes fit (d_head and model.attention_block multiples of 64), else
+    Triton's. Bad requests stop with one line."""
+    if platform == "tpu":
+        if kernel != "pallas":
+            raise ConfigError(f"model.attention_kernel={kernel} is a GPU kernel; on a TPU choose pallas (or auto)")
+        return "tpu"
+    hopper = platform == "cpu" or bool(HOPPER_KINDS.search(device_kind))
+    fits = d_head % flash_hopper.BLOCK == 0 and attention_block % flash_hopper.BLOCK == 0
+    if kernel == "pallas_hopper" and not (hopper and fits):
+        raise ConfigError(f"model.attention_kernel=pallas_hopper needs a Hopper GPU (compute capability 9.x; this is "
+                          f"{device_kind or platform}) and model.d_head (here {d_head}) and model.attention_block "
+                          f"(here {attention_block}) multiples of {flash_hopper.BLOCK}; choose pallas_triton or "
+                          "blockwise")
+    if kernel == "pallas_hopper" or (kernel == "pallas" and platform == "gpu" and hopper and fits):
+        return "hopper"
+    return "gpu"
+
+
+def tiling_for(platform: str, q_per_kv: int, attention_block: int, length: int, lowering: str = "gpu") -> Tiling:
+    """The blocks of `lowering`'s kernels on `platform`: the largest divisors of the preferred sizes that
+    divide model.attention_block, which validation.py has checked divides each chunk of a device's
     `length` positions. A TPU block's lanes must be whole: a block that is not a multiple of 128
-    becomes the whole length. On a CPU, the GPU kernels in Pallas's interpret mode."""
+    becomes the whole length. The Hopper kernels' blocks are a wgmma tile's 64 rows. On a CPU, the GPU
+    kernels in their interpret mode."""
+    if lowering == "hopper":
+        return Tiling("hopper", flash_hopper.BLOCK, flash_hopper.BLOCK, interpret=platform == "cpu")
     if platform == "tpu":
         block = math.gcd(TPU_BLOCK, attention_block)
         block = block if block % 128 == 0 else length
@@ -153,20 +183,22 @@ def _forward_saving(q, k, v, doc_start, row_position, tiling: Tiling):
 _ring_flash_attention.defvjp(_forward_saving, ring_backward)
 
 
-def ring_flash_attention(q, k, v, doc_start, row_position, block: int, platform: str):
+def ring_flash_attention(q, k, v, doc_start, row_position, block: int, platform: str, kernel: str = "pallas",
+                         device_kind: str = ""):
     """Causal grouped-query attention within documents of q [B, L, Q, K, D] over k, v [B, S, K, D]
-    and the keys and values of every other device of mesh axis c, by the Pallas kernels for
-    `platform` ("gpu", "tpu"; "cpu" interprets the GPU kernels), in blocks that divide `block`
-    (tiling_for); doc_start [B, L] and row_position [L] as attention.ring_attention takes them.
-    Runs inside shard_map."""
-    tiling = tiling_for(platform, q.shape[2], block, q.shape[1])
-    if platform == "gpu" and min(tiling.block_q, tiling.block_k, q.shape[-1]) < GPU_MIN_DIM:
+    and the keys and values of every other device of mesh axis c, by the Pallas kernels that
+    model.attention_kernel=`kernel` names for `platform` ("gpu", "tpu"; "cpu" interprets the GPU kernels)
+    and `device_kind` (lowering_for), in blocks that divide `block` (tiling_for); doc_start [B, L] and
+    row_position [L] as attention.ring_attention takes them. Runs inside shard_map."""
+    lowering = lowering_for(kernel, platform, device_kind, q.shape[-1], block)
+    tiling = tiling_for(platform, q.shape[2], block, q.shape[1], lowering)
+    if lowering == "gpu" and platform == "gpu" and min(tiling.block_q, tiling.block_k, q.shape[-1]) < GPU_MIN_DIM:
         raise ConfigError(f"the Pallas attention kernels (model.attention_kernel=pallas, or auto on a GPU) need "
                           f"model.d_head (here {q.shape[-1]}) and their blocks (here {tiling.block_q} x "
                           f"{tiling.block_k}, from model.attention_block={block}) of at least {GPU_MIN_DIM} on a "
                           "GPU (Triton's matrix products); raise them, or choose model.attention_kernel=blockwise")
     if tiling.interpret and jax.typeof(q).manual_axis_type.varying:
-        raise ConfigError("model.attention_kernel=pallas cannot run on a CPU here: Pallas's interpret mode cannot "
+        raise ConfigError(f"model.attention_kernel={kernel} cannot run on a CPU here: Pallas's interpret mode cannot "
                           "run inside a shard_map that checks varying mesh axes, as the training step's does (JAX "
                           "0.10.2; docs/flash-attention.md); choose model.attention_kernel=blockwise or reference")
     return _ring_flash_attention(q, k, v, doc_start, row_position, tiling)

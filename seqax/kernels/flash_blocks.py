@@ -28,15 +28,15 @@ class Tiling:
     for a real target, powers of 2 (GPU: Triton's tensor shapes) or multiples of 128 or the whole
     length (TPU: a block's last dimension is its lanes); flash_attention.tiling_for chooses them."""
 
-    lowering: str  # "gpu" (Triton) or "tpu" (Mosaic)
+    lowering: str  # "gpu" (Triton), "hopper" (Mosaic GPU) or "tpu" (Mosaic TPU)
     block_q: int
     block_k: int
-    interpret: bool = False  # on a CPU, by pallas_call's interpret mode
+    interpret: bool = False  # on a CPU, by Pallas's interpret mode (the Hopper kernels: Mosaic GPU's)
     # The TPU kernels on a CPU: in the TPU interpret mode (pltpu.InterpretParams: scratch memory
     # starts as NaN, the pipeline's copies are simulated; slow) rather than plain interpret mode.
     simulate_tpu: bool = False
-    num_warps: int = 4  # GPU only
-    num_stages: int = 2  # GPU only
+    num_warps: int = 4  # Triton only
+    num_stages: int = 2  # GPU only: Triton's pipeline stages; the Hopper kernels' shared-memory slots
 
 
 def check_shapes(q, k, tiling: Tiling) -> tuple[int, ...]:
