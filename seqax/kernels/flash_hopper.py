@@ -136,11 +136,9 @@ def _stream(steps, stages: int, copies_of, ready, consumed):
 def _forward_kernel(ranges_ref, q_ref, kt_ref, v_ref, q_pos_ref, q_doc_ref, k_pos_ref, k_doc_ref, o_ref, lse_ref,
                     run_s, q_pos_s, q_doc_s, q_s, p_s, lse_s, kt_s, v_s, k_pos_s, k_doc_s,
                     meta_ready, q_ready, ready, consumed, *o_s, heads, stages, scale, interpret):
-    b, h, n, g, wg = (lax.axis_index(a) for a in ("b", "h", "n", "g", "wg"))
     o_s = o_s[0] if o_s else q_s  # o leaves through q's buffer when it has q's dtype
-    rows = pl.ds(n * BLOCK, BLOCK)
-    first, steps = _run(wg == heads, [(ranges_ref.at[b, n], run_s), (q_pos_ref.at[rows], q_pos_s),
-                                      (q_doc_ref.at[b, rows], q_doc_s)], run_s, meta_ready)
+    (b, h, n, g, wg), rows, first, steps = _query_block(heads, ranges_ref, q_pos_ref, q_doc_ref, run_s, q_pos_s,
+                                                        q_doc_s, meta_ready)
 
     @pl.when(wg == heads)
     def _():
@@ -189,11 +187,9 @@ def _dq_kernel(ranges_ref, q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, k_
                k_doc_ref, dq_ref, run_s, q_pos_s, q_doc_s, q_s, do_s, lse_s, delta_s, ds_s, kt_s, vt_s, k_s, k_pos_s,
                k_doc_s, meta_ready, q_ready, ready, consumed, *dq_s, heads, stages, scale, interpret):
     """dq of one query block of a group of heads over the forward pass's run of key blocks (flash_blocks.dq_step)."""
-    b, h, n, g, wg = (lax.axis_index(a) for a in ("b", "h", "n", "g", "wg"))
     dq_s = dq_s[0] if dq_s else q_s
-    rows = pl.ds(n * BLOCK, BLOCK)
-    first, steps = _run(wg == heads, [(ranges_ref.at[b, n], run_s), (q_pos_ref.at[rows], q_pos_s),
-                                      (q_doc_ref.at[b, rows], q_doc_s)], run_s, meta_ready)
+    (b, h, n, g, wg), rows, first, steps = _query_block(heads, ranges_ref, q_pos_ref, q_doc_ref, run_s, q_pos_s,
+                                                        q_doc_s, meta_ready)
 
     @pl.when(wg == heads)
     def _():
@@ -292,6 +288,17 @@ def _run(is_producer, copies, run_s, barriers):
 
     _wait(barriers, len(copies))
     return run_s[0], run_s[1] - run_s[0]
+
+
+def _query_block(heads, ranges_ref, q_pos_ref, q_doc_ref, run_s, q_pos_s, q_doc_s, barriers):
+    """What the forward's and dq's programs start with: their grid and thread indices (b, h, n, g, wg), their
+    query block's rows, and its run of key blocks (first, count), with the block's positions and doc starts
+    copied in by the producer (warpgroup `heads`)."""
+    b, h, n, g, wg = (lax.axis_index(a) for a in ("b", "h", "n", "g", "wg"))
+    rows = pl.ds(n * BLOCK, BLOCK)
+    first, steps = _run(wg == heads, [(ranges_ref.at[b, n], run_s), (q_pos_ref.at[rows], q_pos_s),
+                                      (q_doc_ref.at[b, rows], q_doc_s)], run_s, barriers)
+    return (b, h, n, g, wg), rows, first, steps
 
 
 def _query_side(q_pos_s, q_doc_s, interpret):
