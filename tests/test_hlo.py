@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ElementTree
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -145,3 +146,61 @@ def test_the_graph_draws_a_loop_with_the_trips_read_from_it():
     """The TPU compiler writes no trip count: the graph's loop says the 6 trips of i from 0 by 2 below 12."""
     dot = hlo_graph.to_dot(loop_module(0, 2, 12, "LT"), "f")
     assert "while x6" in dot and "(x6)" in dot
+
+
+def test_an_instruction_written_over_several_lines_is_read_whole():
+    """A Pallas call's kernel metadata is JSON on lines of its own, the last starting with '}': read line
+    by line, the call lost its op_name and backend config and that '}' ended its computation, so the
+    instructions after it (here the loop body's matmul) were never priced; MaxText's programs lost 90%."""
+    text = """HloModule m
+
+%body (p: f32[8,8]) -> f32[8,8] {
+  %p = f32[8,8]{1,0} parameter(0)
+  %kernel.1 = f32[8,8]{1,0} custom-call(%p), custom_call_target="tpu", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q\\": 512, \\"note\\": \\"} {\\"}"
+}}, metadata={op_name="jit(f)/pallas_call" stack_frame_id=3}, backend_config={"custom_call_config":{"body":"x"}}
+  ROOT %dot.2 = f32[8,8]{1,0} dot(%kernel.1, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[8,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  ROOT %call.3 = f32[8,8]{1,0} call(%a), to_apply=%body
+}
+"""
+    body = hlo.parse_module(text).computations["body"]
+    kernel = body.instructions[1]
+    assert [i.name for i in body.instructions] == ["p", "kernel.1", "dot.2"]
+    assert kernel.op_name == "jit(f)/pallas_call" and kernel.stack_frame == 3
+    assert kernel.backend_config == {"custom_call_config": {"body": "x"}} and '\\"block_q\\": 512' in kernel.attributes
+
+
+@pytest.mark.parametrize("text, groups", [
+    ("mesh['x'=4] {'x'}", [[0, 1, 2, 3]]),
+    ("mesh['a'=2,'b'=4] {'b'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ("mesh['a'=2,'b'=4] {'a'}", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    ("mesh['a'=2,'b'=4] {'b','a'}", [[0, 4, 1, 5, 2, 6, 3, 7]]),  # in the order named
+    ("mesh['a'=8] {'a':(1)2}", [[0, 4], [1, 5], [2, 6], [3, 7]]),  # a as [2, 4]: its major 2
+    ("mesh['a'=8] {'a':(2)2}", [[0, 2], [1, 3], [4, 6], [5, 7]]),  # a as [2, 2, 2]: the middle 2
+    # a by b's 8 as [4, 2]: for each of b's major 4, a and b's minor 2 in that order
+    ("mesh['a'=2,'b'=8] {'a','b':(4)2}", np.arange(16).reshape(2, 4, 2).transpose(1, 0, 2).reshape(4, 4).tolist()),
+])
+def test_replica_groups_written_over_a_mesh_are_the_devices_along_its_named_axes(text, groups):
+    """jax 0.11's XLA writes a collective's groups as mesh axes ("mesh['axis_0'=256] {'axis_0'}", as in
+    MaxText's program): read as no groups, its collectives sent nothing. Each form against the devices laid
+    out row-major over the mesh."""
+    assert hlo.mesh_groups(text) == groups
+    instruction = hlo.parse_instruction("ag.1", f"f32[8]{{0}} all-gather(%x), replica_groups={text}, dimensions={{0}}")
+    assert hlo.replica_groups(instruction) == groups
+
+
+def test_replica_groups_in_a_form_not_read_here_are_refused():
+    instruction = hlo.parse_instruction("ag.1", "f32[8]{0} all-gather(%x), replica_groups=<unknown>, dimensions={0}")
+    with pytest.raises(ValueError, match="a form not read here"):
+        hlo.replica_groups(instruction)
+
+
+def test_an_arrays_memory_space_is_read_from_its_layout():
+    shape = "(bf16[2,128]{1,0:T(8,128)(2,1)S(1)}, f32[4]{0}, u32[]{:S(2)}, bf16[8]{0:T(8)S(5)}, s32[3])"
+    assert [space for _, _, space in hlo.spaced_arrays(shape)] == [1, 0, 2, 5, 0]
+    assert hlo.shape_bytes_outside(shape, frozenset({1, 2})) == 16 + 16 + 12
+    assert hlo.shape_bytes_outside(shape, frozenset()) == hlo.shape_bytes(shape)

@@ -203,7 +203,8 @@ def parse_hlo(text: str) -> dict[str, Computation]:
     """The computations of an HLO module's text, by name."""
     computations: dict[str, Computation] = {}
     current = None
-    for line in text.splitlines():
+    lines = iter(text.splitlines())
+    for line in lines:
         if current is None:
             header = _COMPUTATION.match(line)
             if header:
@@ -213,8 +214,23 @@ def parse_hlo(text: str) -> dict[str, Computation]:
         else:
             instruction = _INSTRUCTION.match(line)
             if instruction:
-                current.instructions.append(parse_instruction(instruction.group(2), instruction.group(3)))
+                written = instruction.group(3)
+                # An attribute may hold line breaks (a Pallas kernel's frontend_attributes: its metadata as
+                # JSON on lines of its own): the instruction goes on until its brackets close. Read line by
+                # line, its rest was lost, and a continuation starting with '}' ended the computation.
+                while _open_brackets(written) > 0 and (more := next(lines, None)) is not None:
+                    written += "\n" + more
+                current.instructions.append(parse_instruction(instruction.group(2), written))
     return computations
+
+
+def _open_brackets(text: str) -> int:
+    """How many of text's brackets ({[( ) ]}) are open at its end, outside quoted strings."""
+    bare = _QUOTED.sub("", text)
+    return sum(bare.count(c) for c in "{[(") - sum(bare.count(c) for c in ")]}")
+
+
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 
 
 def entry(computations: dict[str, Computation]) -> Computation:
@@ -398,18 +414,69 @@ def shape_bytes(shape: str) -> int:
     return sum(math.prod(dims) * element_bytes(dtype) for dtype, dims in arrays(shape))
 
 
+def spaced_arrays(shape: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(element type, dimensions, memory space) of every array in a shape as written: the space is the
+    S(n) of its layout ('bf16[8,128]{1,0:T(8,128)S(1)}'), 0 (the device's main memory) when it names none."""
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d), int(space or 0))
+            for dtype, dims, space in _SPACED_ARRAY.findall(shape) if dtype in ELEMENT_BYTES]
+
+
+_SPACED_ARRAY = re.compile(_ARRAY.pattern + r"(?:\{[^{}]*?S\((\d+)\)[^{}]*\})?")
+
+
+def shape_bytes_outside(shape: str, spaces: frozenset[int]) -> int:
+    """Bytes of the arrays of a shape whose memory space is not one of `spaces` (shape_bytes if empty)."""
+    if not spaces:
+        return shape_bytes(shape)
+    return sum(math.prod(dims) * element_bytes(dtype) for dtype, dims, space in spaced_arrays(shape)
+               if space not in spaces)
+
+
 def replica_groups(inst: Instruction) -> list[list[int]]:
-    """The device groups of a collective: '{{0,1},{2,3}}', or the iota form '[2,2]<=[4]' (arange(4)
-    reshaped to [2, 2], its rows the groups) with an optional transpose '[4,2]<=[2,4]T(1,0)'. A
-    collective without groups (or '{}') is one group of every device: [] here."""
+    """The device groups of a collective: '{{0,1},{2,3}}', the iota form '[2,2]<=[4]' (arange(4)
+    reshaped to [2, 2], its rows the groups) with an optional transpose '[4,2]<=[2,4]T(1,0)', or the
+    mesh form (newer XLA) "mesh['a'=2,'b'=4] {'b'}" (mesh_groups). A collective without groups (or
+    '{}') is one group of every device: [] here."""
     text = inst.attribute("replica_groups") or inst.attribute("source_target_pairs") or ""
     if text.startswith("{"):
         return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+    if text.startswith("mesh["):
+        return mesh_groups(text)
     match = re.fullmatch(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
     if not match:
+        if text:
+            raise ValueError(f"{inst.name}: replica groups written as {text!r}, a form not read here")
         return []
     shape, dims = [int(d) for d in match.group(1).split(",")], [int(d) for d in match.group(2).split(",")]
     ids = np.arange(math.prod(dims)).reshape(dims)
     if match.group(3):
         ids = ids.transpose([int(p) for p in match.group(3).split(",")])
     return ids.reshape(-1, shape[-1]).tolist()
+
+
+def mesh_groups(text: str) -> list[list[int]]:
+    """The groups of "mesh['a'=2,'b'=4] {'b'}": devices 0..7 laid out row-major over the mesh's axes,
+    one group for each position on the axes not named, its devices along the named axes in their order.
+    A named sub-axis "'b':(2)2" is part of b: b viewed as [2, 2, rest] (its major 2 first), the middle."""
+    match = re.fullmatch(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text.strip())
+    if not match:
+        raise ValueError(f"replica groups written as {text!r}, a mesh form not read here")
+    axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", match.group(1))]
+    named = [(name, int(pre) if pre else None, int(size) if size else None)
+             for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", match.group(2))]
+    sizes, part_at = [], {}  # each axis split at its named sub-axes' edges, its major part first
+    for name, size in axes:
+        cuts = {1, size} | {p for n, pre, sub in named if n == name and pre for p in (pre, pre * sub)}
+        ordered = sorted(cuts)
+        for low, high in zip(ordered, ordered[1:]):
+            part_at[(name, low)] = len(sizes)
+            sizes.append(high // low)
+    grouped = []
+    for name, pre, _ in named:
+        if pre is None:  # the whole axis
+            grouped += [i for (n, _), i in sorted(part_at.items()) if n == name]
+        else:
+            grouped.append(part_at[(name, pre)])
+    rest = [a for a in range(len(sizes)) if a not in grouped]
+    ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + grouped)
+    return ids.reshape(-1, math.prod(sizes[a] for a in grouped)).tolist()
