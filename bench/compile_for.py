@@ -26,6 +26,10 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v6e-8")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# The TPU compiler's flags a run sets (train.main), so that the program compiled here is the run's.
+from seqax.xla_tpu import add_tpu_flags  # noqa: E402
+
+add_tpu_flags()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -54,7 +58,7 @@ GiB = 2**30
 OPTIMIZER = ("newton_schulz", "muon_update", "adamw_update", "optimizer_step", "schedule")
 KINDS = ("matmuls", "attention", "elementwise, norms, converts", "experts: matmuls",
          "experts: dispatch (routing, gathers, combine)", "optimizer: Newton-Schulz", "optimizer: other",
-         "communication (exposed)")
+         "communication (exposed)", "transfers (exposed)")
 # What an elementwise kernel is made of (the op its code named): inside experts_block these are the
 # experts' SwiGLU and roundings, as the dense SwiGLU's, and float8's amax of each block (reduce_max: the
 # dispatch takes no maximum); the rest there moves rows (the dispatch).
@@ -73,6 +77,8 @@ class CompilerError(SeqaxError):
 def category(kernel: roofline.Kernel) -> str:
     if kernel.kind == "collective":
         return "communication (exposed)"
+    if not kernel.computes:
+        return "transfers (exposed)"
     functions = [function for file, function, _ in kernel.stack if file.endswith(("train.py", "attention.py"))]
     files = [file for file, _, _ in kernel.stack]
     if any(f.endswith("attend") for f in functions) or any(f.endswith("attention.py") for f in files):
@@ -142,10 +148,11 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
     model_flops = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * tokens / devices
     seconds = collections.Counter()
     for kernel in model.kernels:
-        if kernel.kind != "collective":
+        if kernel.computes:
             seconds[category(kernel)] += kernel.total_seconds
     seconds["communication (exposed)"] = model.exposed_communication_seconds
-    costliest = sorted((k for k in model.kernels if k.kind != "collective"), key=lambda k: -k.total_seconds)[:top]
+    seconds["transfers (exposed)"] = model.exposed_transfer_seconds
+    costliest = sorted((k for k in model.kernels if k.computes), key=lambda k: -k.total_seconds)[:top]
     return {
         "config": config, "target": target.name, "devices": devices, "topology": target.topology(devices)[0],
         "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", "tokens_per_step": tokens,

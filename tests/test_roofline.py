@@ -428,3 +428,83 @@ def test_the_matmuls_the_backward_pass_computes_again_are_counted_apart(saved):
     recomputed = 3 * matmul * (2 - len(saved))
     assert model.recomputed_matmul_flops == recomputed
     assert model.matmul_flops == 3 * 3 * 2 * matmul + recomputed
+
+
+def test_a_value_on_the_chip_costs_no_memory_bandwidth():
+    """A TPU keeps small, soon reused values in its VMEM (a layout's S(1)): an elementwise kernel whose
+    input and output are there moves nothing through HBM; with the same value in HBM it moves both. Without
+    on-chip spaces in its rates (a GPU's), every array is in HBM."""
+    def kernel(space: str, rates: roofline.Rates) -> roofline.Kernel:
+        text = module(f"""%fused (p: f32[1000]) -> f32[1000] {{
+  %p = f32[1000]{{0{space}}} parameter(0)
+  ROOT %e = f32[1000]{{0{space}}} exponential(%p)
+}}""", entry=f"""ENTRY %main (a: f32[1000]) -> f32[1000] {{
+  %a = f32[1000]{{0{space}}} parameter(0)
+  ROOT %fusion.1 = f32[1000]{{0{space}}} fusion(%a), kind=kLoop, calls=%fused
+}}""")
+        [found] = roofline.roofline(text, rates).kernels
+        return found
+
+    tpu = dataclasses.replace(RATES, on_chip_memory_spaces=frozenset({1}))
+    assert kernel(":S(1)", tpu).bytes == 0 and kernel("", tpu).bytes == 8000
+    assert kernel(":S(1)", RATES).bytes == 8000
+
+
+OFFLOAD = """%fused (p: bf16[4096,1024]) -> bf16[4096,1024] {
+  %p = bf16[4096,1024]{1,0:S(1)} parameter(0)
+  ROOT %e = bf16[4096,1024]{1,0} exponential(%p)
+}
+
+ENTRY %main (saved: bf16[8,4096,1024], x: bf16[1,4096,1024], i: s32[]) -> (bf16[8,4096,1024], bf16[4096,1024]) {
+  %saved = bf16[8,4096,1024]{2,1,0:S(5)} parameter(0)
+  %x = bf16[1,4096,1024]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %dynamic-update-slice-start.1 = ((bf16[8,4096,1024]{2,1,0:S(5)}, bf16[1,4096,1024]{2,1,0}, s32[], s32[], s32[]), bf16[8,4096,1024]{2,1,0:S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%saved, %x, %i, %z, %z)
+  %copy-start.2 = (bf16[1,4096,1024]{2,1,0}, bf16[1,4096,1024]{2,1,0:S(1)}, u32[]{:S(2)}) copy-start(%x)
+  %copy-done.2 = bf16[1,4096,1024]{2,1,0:S(1)} copy-done(%copy-start.2)
+  %b = bf16[4096,1024]{1,0:S(1)} bitcast(%copy-done.2)
+  %fusion.3 = bf16[4096,1024]{1,0} fusion(%b), kind=kLoop, calls=%fused
+  %dynamic-update-slice-done.1 = bf16[8,4096,1024]{2,1,0:S(5)} dynamic-update-slice-done(%dynamic-update-slice-start.1)
+  ROOT %t = (bf16[8,4096,1024]{2,1,0:S(5)}, bf16[4096,1024]{1,0}) tuple(%dynamic-update-slice-done.1, %fusion.3)
+}"""
+
+
+@pytest.mark.parametrize("host_bandwidth", [1e9, 1e6])
+def test_a_dma_runs_beside_compute_and_an_offload_goes_over_pcie(host_bandwidth):
+    """Activations offloaded to the host (a dynamic-update-slice-start into an S(5) buffer, as MaxText's
+    8B recipe writes five a layer) move their update, not the buffer, over the host's link; a prefetch into
+    VMEM (copy-start) moves its array at the device's memory bandwidth. Both are DMAs beside the kernels:
+    exposed only for what exceeds the compute (here one elementwise kernel of 16 MB); priced as kernels
+    that read and wrote the whole 64 MB buffer, the 8B recipe's step was 5.8 s against 4.5 s measured."""
+    rates = dataclasses.replace(RATES, on_chip_memory_spaces=frozenset({1, 2}), host_bandwidth=host_bandwidth)
+    model = roofline.roofline(module(entry=OFFLOAD), rates)
+    by_name = {k.name: k for k in model.kernels}
+    offload, prefetch, compute = by_name["dynamic-update-slice-start.1"], by_name["copy-start.2"], by_name["fusion.3"]
+    update = 4096 * 1024 * 2
+    assert (offload.kind, offload.bytes, offload.seconds) == ("host transfer", update, update / host_bandwidth)
+    assert (prefetch.kind, prefetch.bytes, prefetch.seconds) == ("device transfer", update, update / 1e10)
+    assert compute.bytes == update and model.compute_seconds == compute.seconds  # reads VMEM, writes HBM
+    assert model.exposed_transfer_seconds == pytest.approx(max(0, offload.seconds - compute.seconds))
+    assert model.step_seconds == pytest.approx(compute.seconds + model.exposed_transfer_seconds)
+    with pytest.raises(ValueError, match="host_bandwidth"):
+        roofline.roofline(module(entry=OFFLOAD), dataclasses.replace(rates, host_bandwidth=0.0))
+
+
+def test_a_collective_a_tpu_runs_on_its_sparsecore_is_asynchronous():
+    """A TPU's all-reduce offloaded to its SparseCore is a call-start of a computation holding it, beside
+    the TensorCore's kernels: priced as the all-reduce, asynchronous (it was an unknown op costing nothing)."""
+    text = module("""%reduce (a: f32[1000]) -> f32[1000] {
+  %a = f32[1000]{0} parameter(0)
+  ROOT %all-reduce.1 = f32[1000]{0} all-reduce(%a), channel_id=1, replica_groups=mesh['x'=4] {'x'}, to_apply=%add
+}""", """%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}""", entry="""ENTRY %main (g: f32[1000]) -> f32[1000] {
+  %g = f32[1000]{0} parameter(0)
+  %call-start.1 = ((f32[1000]{0}), f32[1000]{0}, s32[]{:S(2)}) call-start(%g), async_execution_thread="sparsecore", to_apply=%reduce
+  ROOT %call-done.1 = f32[1000]{0} call-done(%call-start.1)
+}""")
+    [reduce] = step(text).kernels
+    assert (reduce.kind, reduce.asynchronous, reduce.bytes) == ("collective", True, 2 * 3 / 4 * 4000)

@@ -28,6 +28,12 @@ from seqax.analysis import hlo
 from seqax.analysis.communication import collective_shape, sent_bytes
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
+# Data movement the compiler starts and waits for later (a DMA beside the kernels): a copy or slice between
+# memories (a TPU prefetches into its VMEM so), a dynamic slice or update of a buffer in the host's memory
+# (activations offloaded to the host and back).
+TRANSFERS = ("copy-start", "slice-start", "dynamic-slice-start", "dynamic-update-slice-start")
+TRANSFER_KINDS = ("host transfer", "device transfer")
+HOST_MEMORY_SPACE = 5  # an array layout's S(5): the host's memory, reached over PCIe
 # Instructions that move no data of their own: views, tuples, control (and an async op's update and done).
 PLUMBING = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
             "replica-id", "opt-barrier", "add-dependency", "iota"}
@@ -60,18 +66,24 @@ class Rates:
     devices_per_host: int  # devices 0..n-1 share a host, n..2n-1 the next, ...
     launch_seconds: float = 0.0  # fixed cost of launching one kernel
     float8_matmul_flops: float = 0.0  # dense float8 matmul FLOP/s (0: no float8 units, priced as bf16)
+    # Memory spaces (an array layout's S(n)) that are on the chip, not its HBM: a value there costs no memory
+    # bandwidth (a TPU's VMEM, where XLA keeps small and soon reused values; its flags and scalar memory).
+    on_chip_memory_spaces: frozenset[int] = frozenset()
+    host_bandwidth: float = 0.0  # bytes/s between one device and its host's memory, one direction (PCIe)
 
 
 @dataclasses.dataclass
 class Kernel:
     name: str  # the instruction's name in the optimized HLO
-    kind: str  # "matmul", "attention", "memory" (everything else that computes), "collective"
+    # "matmul", "attention", "memory" (everything else that computes), "collective", or a DMA: "host transfer"
+    # (to or from the host's memory), "device transfer" (within the device)
+    kind: str
     runs: float  # per step
     flops: float  # per run: matmul FLOPs (attention's for a fused attention call)
     other_flops: float  # per run: the rest of its arithmetic
     bytes: float  # per run: memory read and written, or for a collective the bytes one device sends
     seconds: float  # per run
-    asynchronous: bool  # a collective the compiler overlaps with computation
+    asynchronous: bool  # a collective or transfer the compiler overlaps with computation
     stack: list  # the Python stack it came from, innermost first: (file, function, line)
     op_name: str
     float8_flops: float = 0.0  # per run: the part of `flops` whose operands are float8
@@ -79,6 +91,11 @@ class Kernel:
     @property
     def total_seconds(self) -> float:
         return self.seconds * self.runs
+
+    @property
+    def computes(self) -> bool:
+        """Whether it runs on the cores (in the step's one stream), not on a link or a DMA engine beside them."""
+        return self.kind not in ("collective", *TRANSFER_KINDS)
 
 
 def dot_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> float:
@@ -160,19 +177,24 @@ def _element_count(shape: str) -> int:
 class _Program:
     """The module, with each instruction's result shape by name (operands are written as names)."""
 
-    def __init__(self, module: hlo.Module):
+    def __init__(self, module: hlo.Module, on_chip: frozenset[int]):
         self.module = module
+        self.on_chip = on_chip
         self.shapes = {c.name: {i.name: i.shape for i in c.instructions} for c in module.computations.values()}
 
     def operand_shapes(self, computation: str, inst: hlo.Instruction) -> list[str]:
         return [self.shapes[computation].get(o, "") for o in inst.operands]
+
+    def memory_bytes(self, shape: str) -> int:
+        """Bytes of a shape's arrays in the device's memory (HBM), not on the chip."""
+        return hlo.shape_bytes_outside(shape, self.on_chip)
 
     def fusion_cost(self, computation: str, inst: hlo.Instruction) -> tuple[float, float, float, float]:
         """(matmul FLOPs, those of them in float8, other FLOPs, bytes) of a fusion: its body's dots and
         arithmetic; what it reads of each operand (a parameter that only dynamic-slices or slices read
         costs its slices, one that is only updated in place costs nothing) and what it writes (an
         in-place update or scatter its update: XLA scatters into the operand's buffer, copying it
-        first in a kernel of its own if it must)."""
+        first in a kernel of its own if it must). An operand or a result on the chip costs nothing."""
         body = self.module.computations[inst.calls[0]]
         by_name = {i.name: i for i in body.instructions}
         users: dict[str, list[hlo.Instruction]] = {}
@@ -186,7 +208,7 @@ class _Program:
                 if user.opcode in ("bitcast", "reshape"):
                     total += read_of(user.name, whole)
                 elif user.opcode in ("dynamic-slice", "slice", "gather") and user.operands[0] == name:
-                    total += hlo.shape_bytes(user.shape)
+                    total += hlo.shape_bytes(user.shape)  # a slice of it: the part read
                 elif user.opcode in ("dynamic-update-slice", "scatter") and user.operands[0] == name:
                     continue  # updated in place: the buffer is the output's
                 else:
@@ -194,7 +216,7 @@ class _Program:
             return min(total, whole)
 
         params = [i for i in body.instructions if i.opcode == "parameter"]
-        read = sum(read_of(p.name, hlo.shape_bytes(p.shape)) for p in params)
+        read = sum(read_of(p.name, whole) for p in params if (whole := self.memory_bytes(p.shape)))
         root = body.instructions[-1] if body.instructions else None
         roots = [by_name[o] for o in root.operands if o in by_name] if root is not None and root.opcode == "tuple" \
             else [root] if root is not None else []
@@ -204,9 +226,10 @@ class _Program:
                 out = by_name[out.operands[0]]
             if out.opcode in ("dynamic-update-slice", "scatter"):  # its update (a scatter's: its last operand)
                 update = out.operands[1] if out.opcode == "dynamic-update-slice" else out.operands[-1]
-                written += hlo.shape_bytes(by_name[update].shape) if update in by_name else 0
+                on_chip = not self.memory_bytes(out.shape)
+                written += hlo.shape_bytes(by_name[update].shape) if update in by_name and not on_chip else 0
             else:
-                written += hlo.shape_bytes(out.shape)
+                written += self.memory_bytes(out.shape)
         matmul = float8 = other = 0.0
         for i in body.instructions:
             if i.opcode in ("dot", "convolution"):
@@ -241,11 +264,11 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
     else (blockwise attention's loop over key blocks, whose length depends on the documents)
     (n + 1) / 2 times per run of an enclosing loop of n iterations: the causal triangle of one
     document a row, which is also what the MFU's FLOPs count; outside any counted loop, once."""
-    program = _Program(module)
+    program = _Program(module, rates.on_chip_memory_spaces)
     found: list[Kernel] = []
 
     def cost(kernel: Kernel) -> float:
-        if kernel.kind == "collective":
+        if kernel.kind in ("collective", *TRANSFER_KINDS):
             return 0.0 if not kernel.bytes else kernel.bytes / kernel_link(kernel)
         float8_rate = rates.float8_matmul_flops or rates.matmul_flops
         compute = ((kernel.flops - kernel.float8_flops) / rates.matmul_flops + kernel.float8_flops / float8_rate
@@ -284,21 +307,25 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                     visit(branch, runs, outer_trips, branch_kernels)
                     branches.append(branch_kernels)
                 out.extend(max(branches, key=lambda ks: sum(k.total_seconds for k in ks)))
-            elif op in ("call", "async-start") and inst.calls:
+            elif op in ("call", "async-start", "call-start") and inst.calls:
                 called = module.computations[inst.calls[0]]
                 wrapped = [i for i in called.instructions if i.opcode in COLLECTIVES]
-                if op == "async-start" and wrapped:  # an asynchronous collective wrapped in a computation
+                # an asynchronous collective wrapped in a computation (call-start: a TPU's, on its SparseCore)
+                if op != "call" and wrapped:
                     collective(inst.calls[0], wrapped[0], runs, out, asynchronous=True)
                 else:
                     visit(inst.calls[0], runs, outer_trips, out)
             elif op.removesuffix("-start") in COLLECTIVES:
                 collective(name, inst, runs, out, asynchronous=op.endswith("-start"))
+            elif op in TRANSFERS:
+                transfer(name, inst, runs, out)
             elif op in ("fusion", "fusion-start"):  # fusion-start: an asynchronous fusion, calling its fused body
                 matmul, float8, other, nbytes = program.fusion_cost(name, inst)
                 add(name, inst, runs, out, "matmul" if matmul else "memory", matmul, other, nbytes, float8=float8)
             elif op == "custom-call":
                 target = inst.attribute("custom_call_target") or ""
-                nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(hlo.tuple_elements(inst.shape)[0])
+                result = hlo.tuple_elements(inst.shape)[0]
+                nbytes = sum(map(program.memory_bytes, operands)) + program.memory_bytes(result)
                 if target.startswith(MATMUL_CALLS):
                     flops, float8 = matmul_cost(inst, operands)
                     add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=float8)
@@ -309,11 +336,11 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
                 else:
                     add(name, inst, runs, out, "memory", 0.0, 0.0, nbytes)
             elif op in ("dot", "convolution"):
-                nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
+                nbytes = sum(map(program.memory_bytes, operands)) + program.memory_bytes(inst.shape)
                 flops, float8 = matmul_cost(inst, operands)
                 add(name, inst, runs, out, "matmul", flops, 0.0, nbytes, float8=float8)
             else:  # an unfused operation: a copy, a bare add, a sort, ...
-                nbytes = sum(hlo.shape_bytes(s) for s in operands) + hlo.shape_bytes(inst.shape)
+                nbytes = sum(map(program.memory_bytes, operands)) + program.memory_bytes(inst.shape)
                 other = 0.0 if op in DATA_MOVEMENT else _element_count(inst.shape)
                 add(name, inst, runs, out, "memory", 0.0, other, nbytes)
 
@@ -322,6 +349,20 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
         spans_hosts = any(len({d // rates.devices_per_host for d in g}) > 1 for g in groups)
         link_of[inst.name] = rates.network_bandwidth if spans_hosts else rates.link_bandwidth
         add(computation, inst, runs, out, "collective", 0.0, 0.0, nbytes, asynchronous)
+
+    def transfer(computation: str, inst: hlo.Instruction, runs: float, out: list):
+        """A DMA: what it moves (a copy's or a slice's result, an update's update), over PCIe when either
+        end is the host's memory, else within the device at its memory bandwidth."""
+        parts = hlo.tuple_elements(inst.shape)  # (operands, result, context); a copy's: (source, result, context)
+        moved = program.operand_shapes(computation, inst)[1] if inst.opcode == "dynamic-update-slice-start" \
+            else parts[1]
+        host = any(space == HOST_MEMORY_SPACE for _, _, space in hlo.spaced_arrays(inst.shape))
+        if host and not rates.host_bandwidth:
+            raise ValueError(f"{inst.name} moves data to or from the host's memory, and the target has no "
+                             "host_bandwidth to price it")
+        link_of[inst.name] = rates.host_bandwidth if host else rates.memory_bandwidth
+        add(computation, inst, runs, out, TRANSFER_KINDS[0] if host else TRANSFER_KINDS[1], 0.0, 0.0,
+            hlo.shape_bytes(moved), asynchronous=True)
 
     visit(hlo.entry(module.computations).name, 1.0, 1.0, found)
     return found
@@ -347,14 +388,22 @@ class Roofline:
     synchronous_seconds: float  # collectives the compiler did not overlap
     asynchronous_seconds: float  # collectives it overlaps with compute
     launches: float  # kernels launched per step
+    host_transfer_seconds: float = 0.0  # DMAs to and from the host's memory, beside compute (PCIe)
+    device_transfer_seconds: float = 0.0  # DMAs within the device (a TPU's prefetches into VMEM), beside compute
 
     @property
     def exposed_communication_seconds(self) -> float:
         return self.synchronous_seconds + max(0.0, self.asynchronous_seconds - self.compute_seconds)
 
     @property
+    def exposed_transfer_seconds(self) -> float:
+        """The DMAs' time beyond the compute they overlap, each link (PCIe, the device's DMA) on its own."""
+        return sum(max(0.0, seconds - self.compute_seconds)
+                   for seconds in (self.host_transfer_seconds, self.device_transfer_seconds))
+
+    @property
     def step_seconds(self) -> float:
-        return self.compute_seconds + self.exposed_communication_seconds
+        return self.compute_seconds + self.exposed_communication_seconds + self.exposed_transfer_seconds
 
     @property
     def matmul_flops(self) -> float:
@@ -379,10 +428,12 @@ RECOMPUTED = "rematted_computation"  # the name scope JAX's remat gives the forw
 def roofline(hlo_text: str, rates: Rates) -> Roofline:
     """The roofline of a compiled program (Compiled.as_text() of the target's compiler)."""
     found = kernels(hlo.parse_module(hlo_text), rates)
-    compute = sum(k.total_seconds for k in found if k.kind != "collective")
+    computing = [k for k in found if k.computes]
     synchronous = sum(k.total_seconds for k in found if k.kind == "collective" and not k.asynchronous)
     asynchronous = sum(k.total_seconds for k in found if k.kind == "collective" and k.asynchronous)
-    return Roofline(found, compute, synchronous, asynchronous, sum(k.runs for k in found if k.kind != "collective"))
+    host, device = (sum(k.total_seconds for k in found if k.kind == kind) for kind in TRANSFER_KINDS)
+    return Roofline(found, sum(k.total_seconds for k in computing), synchronous, asynchronous,
+                    sum(k.runs for k in computing), host, device)
 
 
 def source(kernel: Kernel, roots: tuple[str, ...]) -> tuple[str, str, int] | None:

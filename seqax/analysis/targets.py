@@ -39,6 +39,8 @@ class Target:
     l2_bytes: int = 0
     compute_capability: tuple[int, int] = (0, 0)
     float8_flops: float = 0.0  # dense float8 matmul FLOP/s (0: no float8 units; XLA multiplies it as bf16)
+    on_chip_memory_spaces: frozenset[int] = frozenset()  # layouts' S(n) that are not HBM (roofline.Rates)
+    host_bandwidth: float = 0.0  # bytes/s between one device and its host's memory, one direction (PCIe)
 
     @property
     def peak_flops(self) -> float:
@@ -49,7 +51,8 @@ class Target:
         2 us on a stream (NVIDIA's figure for back-to-back launches); a TPU runs one fused program."""
         launch = (2e-6 if self.platform == "cuda" else 0.0) if launch_seconds is None else launch_seconds
         return Rates(self.peak_flops, self.vector_flops, self.memory_bandwidth, self.link_bandwidth,
-                     self.network_bandwidth, self.devices_per_host, launch, self.float8_flops)
+                     self.network_bandwidth, self.devices_per_host, launch, self.float8_flops,
+                     self.on_chip_memory_spaces, self.host_bandwidth)
 
     def topology(self, devices: int) -> tuple[str, dict]:
         """(topology name, keyword arguments) of jax.experimental.topologies.get_topology_desc for
@@ -109,31 +112,41 @@ NVIDIA = ("NVIDIA datasheets (HBM, FP32, NVLink: 900 GB/s both ways = 450 GB/s a
           "HGX B200 9 PFLOPS sparse a GPU); one 400 Gb/s InfiniBand NDR adapter per GPU across hosts "
           "(DGX H100/H200/B200); XLA's GPU target specs (SMs, clock, L2, HBM bytes)")
 TPU = "Cloud TPU system architecture pages: HBM, its bandwidth, ICI Gbps per chip (both ways, halved here)"
+# The memory spaces of a TPU program's layouts that are on the chip, as libtpu's optimized HLO writes them:
+# S(1) the TensorCore's VMEM (memory-space assignment puts a value there, or prefetches it with a
+# copy-start), S(2) the u32 flags an asynchronous collective waits on, S(6) scalars (loop counters).
+# An array with no S(n) is in HBM; S(5) is the host's memory.
+TPU_ON_CHIP = frozenset({1, 2, 6})
+# A device's link to its host's memory, one direction: PCIe x16 at 32 GT/s (Gen5) or 16 GT/s (Gen4), 128b/130b
+# coded. NVIDIA's datasheets give H100, H200 and B200 PCIe Gen5 x16; Google's v6e page says PCIe Gen5 and
+# its v5e and v5p pages say nothing: x16, and Gen4 for v5e and v5p, are assumed.
+PCIE5_X16 = 32e9 * 16 / 8 * 128 / 130
+PCIE4_X16 = PCIE5_X16 / 2
 
 TARGETS = {t.name: t for t in [
     Target("h100", "cuda", "NVIDIA H100 80GB HBM3", memory_bytes=84_942_979_072, memory_bandwidth=3.35e12,
            vector_flops=67e12, link_bandwidth=450 * GB, network_bandwidth=50 * GB, devices_per_host=8,
-           sources=NVIDIA, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800, compute_capability=(9, 0),
-           float8_flops=1979e12),
+           sources=NVIDIA, host_bandwidth=PCIE5_X16, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800,
+           compute_capability=(9, 0), float8_flops=1979e12),
     Target("h200", "cuda", "NVIDIA H200", memory_bytes=151_397_597_184, memory_bandwidth=4.8e12,
            vector_flops=67e12, link_bandwidth=450 * GB, network_bandwidth=50 * GB, devices_per_host=8,
-           sources=NVIDIA, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800, compute_capability=(9, 0),
-           float8_flops=1979e12),
+           sources=NVIDIA, host_bandwidth=PCIE5_X16, sm_count=132, clock_ghz=1.98, l2_bytes=52_428_800,
+           compute_capability=(9, 0), float8_flops=1979e12),
     Target("b200", "cuda", "NVIDIA B200", memory_bytes=191_514_411_008, memory_bandwidth=7.672e12,
            vector_flops=80e12, link_bandwidth=900 * GB, network_bandwidth=50 * GB, devices_per_host=8,
-           sources=NVIDIA, sm_count=148, clock_ghz=1.965, l2_bytes=132_644_864, compute_capability=(10, 0),
-           float8_flops=4500e12),
+           sources=NVIDIA, host_bandwidth=PCIE5_X16, sm_count=148, clock_ghz=1.965, l2_bytes=132_644_864,
+           compute_capability=(10, 0), float8_flops=4500e12),
     # TPUs: no published vector rate; taken at 1/16 of the matrix rate, as on the GPUs above. Their
     # elementwise kernels are bound by HBM bandwidth long before.
     Target("v5e", "tpu", "TPU v5 lite", memory_bytes=16 * 2**30, memory_bandwidth=819 * GB,
            vector_flops=197e12 / 16, link_bandwidth=100 * GB, network_bandwidth=100 * GB, devices_per_host=8,
-           sources=TPU),
+           sources=TPU, on_chip_memory_spaces=TPU_ON_CHIP, host_bandwidth=PCIE4_X16),
     Target("v5p", "tpu", "TPU v5", memory_bytes=95 * 2**30, memory_bandwidth=2765 * GB,
            vector_flops=459e12 / 16, link_bandwidth=300 * GB, network_bandwidth=300 * GB, devices_per_host=4,
-           sources=TPU),
+           sources=TPU, on_chip_memory_spaces=TPU_ON_CHIP, host_bandwidth=PCIE4_X16),
     Target("v6e", "tpu", "TPU v6 lite", memory_bytes=32 * 2**30, memory_bandwidth=1640 * GB,
            vector_flops=918e12 / 16, link_bandwidth=224 * GB, network_bandwidth=224 * GB, devices_per_host=8,
-           sources=TPU),
+           sources=TPU, on_chip_memory_spaces=TPU_ON_CHIP, host_bandwidth=PCIE5_X16),
 ]}
 
 
