@@ -11,6 +11,7 @@ import os
 import sys
 
 import jax
+from jax.experimental import mesh_utils
 
 from seqax import watchdog
 from seqax.config import ConfigError, DistributedConfig, DistributedError, SeqaxError
@@ -146,8 +147,15 @@ def exit_if_peer_lost(error: Exception):
 def make_mesh(d: int, t: int, c: int = 1, devices=None) -> jax.sharding.Mesh:
     """The (d, c, t) mesh over `devices` (default: all, of every process): t innermost (its
     collectives are the most frequent), then the ring c. Auto axes: arrays are placed with the
-    NamedShardings derived from their annotations, so no explicit-sharding types are needed."""
-    return jax.make_mesh((d, c, t), ("d", "c", "t"), axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+    NamedShardings derived from their annotations, so no explicit-sharding types are needed. Each axis is
+    laid over whole axes of the devices' physical torus where it can be; where it cannot (c=2 on a 16x16 TPU
+    slice, whose axes are 16), a physical axis is split between mesh axes."""
+    axis_types = (jax.sharding.AxisType.Auto,) * 3
+    try:
+        return jax.make_mesh((d, c, t), ("d", "c", "t"), axis_types=axis_types, devices=devices)
+    except NotImplementedError:  # JAX's message: no subset of the physical axes has that size
+        grid = mesh_utils.create_device_mesh((d, c, t), devices, allow_split_physical_axes=True)
+        return jax.sharding.Mesh(grid, ("d", "c", "t"), axis_types=axis_types)
 
 
 def run_program(program):

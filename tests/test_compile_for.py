@@ -216,3 +216,19 @@ def test_a_compiler_that_is_not_installed_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
     assert "jax-cuda12-plugin" in lines[0] and "make compilers" in lines[0]
+
+
+def test_a_context_parallel_mesh_is_made_on_a_tpu_torus_whose_axes_it_does_not_match():
+    """tpu256_8b's mesh d=128 c=2 on a v6e 16x16 slice: no subset of the torus's axes (16, 16) has c's size 2,
+    which jax.make_mesh refuses; make_mesh then splits a physical axis, so every device is used once."""
+    code = ("from jax.experimental import topologies\n"
+            "from seqax.multihost import make_mesh\n"
+            "devices = topologies.get_topology_desc('v6e:16x16', 'tpu', chips_per_host_bounds=[2, 4, 1]).devices\n"
+            "mesh = make_mesh(128, 1, 2, devices=devices)\n"
+            "print(dict(mesh.shape), len({d.id for d in mesh.devices.flat}))\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": "v6e-256",
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    result = subprocess.run([COMPILERS_PYTHON, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "{'d': 128, 'c': 2, 't': 1} 256"
