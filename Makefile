@@ -8,7 +8,7 @@ MOE_RUN ?= local_text_moe
 # More overrides for a train target's command, e.g. `make train ARGS="training.steps=200 mesh.d=8 mesh.t=1"`.
 ARGS ?=
 
-.PHONY: train train-text train-moe tools test test-fast lint clean compilers
+.PHONY: train train-text train-moe tools test test-fast lint clean compilers maxtext
 
 # The pinned packages, then this project (the `seqax` package, train.py and sample.py) in editable mode.
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -40,6 +40,13 @@ $(COMPILERS)/.installed: requirements.txt requirements-compilers.txt pyproject.t
 	touch $@
 
 compilers: $(COMPILERS)/.installed
+
+# MaxText's training step and its newer jax and libtpu (bench/maxtext/), for bench/maxtext_anchor.py: a venv of
+# its own on Python >= 3.12, built from Debian's source if this machine has none (bench/maxtext/setup.sh).
+.venv-maxtext/.installed: bench/maxtext/requirements.txt bench/maxtext/setup.sh
+	bash bench/maxtext/setup.sh
+
+maxtext: .venv-maxtext/.installed
 
 # The datasets need the venv, not a newer one: order-only (after |), so that reinstalling (a pull that changes
 # requirements.txt) does not make them stale, which their writers refuse to overwrite.
@@ -86,5 +93,5 @@ test-fast: lint
 	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
 
 clean:
-	rm -rf $(VENV) $(COMPILERS) synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs hf_model lm_eval_tasks \
+	rm -rf $(VENV) $(COMPILERS) .venv-maxtext synthetic_dataset.zarr text_dataset.zarr text_choices.jsonl runs hf_model lm_eval_tasks \
 		text_runs.png
