@@ -68,6 +68,7 @@ from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
 from seqax.validation import check_attention_blocks, validate_config
 from seqax.xla_cpu import normal_drawn_as, transposed_weight
+from seqax.xla_tpu import add_tpu_flags
 
 # ---------------------------------------------------------------------------------------------
 # Weights. Every field says its shape and sharding; the optimizers' state has the same types.
@@ -674,6 +675,7 @@ def main():
     """`python -m train --config-name=NAME [key=value ...]`: hydra's command line (config.run_hydra)."""
     def program(hydra_cfg: DictConfig):
         cfg = config_from_dict(Config, OmegaConf.to_container(hydra_cfg, resolve=True))
+        add_tpu_flags()  # libtpu's, read when JAX starts its TPU backend: collectives on the SparseCores
         initialize_distributed(cfg.distributed)  # before any other JAX call
         train(cfg, OmegaConf.to_yaml(hydra_cfg, resolve=True))
 
