@@ -237,6 +237,15 @@ def test_ladder_config_is_valid_and_the_size_its_name_says(name):
                                                        "7b": 7e9}[size], rel_tol=0.05)
 
 
+def test_the_8b_config_is_maxtext_recipes_model_and_sequence():
+    """tpu256_8b is the shape of MaxText's published Llama 3.1 8B recipe (bench/maxtext_anchor.py compares
+    the two steps): 8.03B parameters, Llama 3's vocabulary, 8,192 positions, on 256 chips."""
+    cfg = config.load_config("tpu256_8b", ["+paths.model_name=check"])
+    validate_config(cfg, cfg.mesh.d * cfg.mesh.t * cfg.mesh.c, max_token_id=128255, weights=train.Model)
+    assert (cfg.model.vocab, cfg.training.tokens.len, cfg.mesh.d * cfg.mesh.t * cfg.mesh.c) == (128256, 8192, 256)
+    assert math.isclose(llama_parameters(cfg.model), 8.03e9, rel_tol=0.005)
+
+
 @pytest.mark.slow
 def test_compare_commits_times_a_commit_against_this_checkout():
     """bench/compare_commits.py imports a commit's train.py with that commit's own modules, next
