@@ -32,7 +32,6 @@ from seqax.xla_tpu import add_tpu_flags  # noqa: E402
 add_tpu_flags()
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
@@ -146,12 +145,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
     collectives = [k for k in model.kernels if k.kind == "collective"]
     tokens = cfg.training.tokens.batch * cfg.training.tokens.len
     model_flops = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * tokens / devices
-    seconds = collections.Counter()
-    for kernel in model.kernels:
-        if kernel.computes:
-            seconds[category(kernel)] += kernel.total_seconds
-    seconds["communication (exposed)"] = model.exposed_communication_seconds
-    seconds["transfers (exposed)"] = model.exposed_transfer_seconds
+    seconds = model.seconds_by(category)
     costliest = sorted((k for k in model.kernels if k.computes), key=lambda k: -k.total_seconds)[:top]
     return {
         "config": config, "target": target.name, "devices": devices, "topology": target.topology(devices)[0],
@@ -169,7 +163,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "hlo_recomputed_matmul_tflop_per_device": model.recomputed_matmul_flops / 1e12,
         "hlo_float8_matmul_tflop_per_device": model.float8_matmul_flops / 1e12,
         "kernels_per_step": model.launches,
-        "seconds_by_kind": {kind: seconds[kind] for kind in KINDS},
+        "seconds_by_kind": {kind: seconds.get(kind, 0.0) for kind in KINDS},
         "costliest": [{"name": k.name, "kind": category(k), "runs": k.runs, "seconds": k.total_seconds,
                        "share": k.total_seconds / model.step_seconds, "tflop": k.flops * k.runs / 1e12,
                        "gb": k.bytes * k.runs / 1e9, "where": where(k), "op": k.op_name.rsplit("/", 1)[-1]}

@@ -28,7 +28,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -201,18 +200,13 @@ def price(hlo_text: str, target: Target, tokens_per_chip: int) -> dict:
     hlo_text, splash_calls = state_splash_flops(hlo_text)
     model = roofline.roofline(hlo_text, target.rates())
     collectives = [k for k in model.kernels if k.kind == "collective"]
-    seconds = collections.Counter()
-    for kernel in model.kernels:
-        if kernel.computes:
-            seconds[category(kernel)] += kernel.total_seconds
-    seconds["communication (exposed)"] = model.exposed_communication_seconds
-    seconds["transfers (exposed)"] = model.exposed_transfer_seconds
+    seconds = model.seconds_by(category)
     return {"step_seconds": model.step_seconds, "seconds_per_token": model.step_seconds / tokens_per_chip,
             "hlo_matmul_tflop_per_device": model.matmul_flops / 1e12, "splash_calls": splash_calls,
             "collectives_per_step": sum(c.runs for c in collectives),
             "asynchronous_collectives": sum(c.runs for c in collectives if c.asynchronous),
             "exposed_communication_seconds": model.exposed_communication_seconds,
-            "seconds_by_kind": {kind: seconds[kind] for kind in KINDS}}
+            "seconds_by_kind": {kind: seconds.get(kind, 0.0) for kind in KINDS}}
 
 
 def describe(title: str, row: dict) -> str:

@@ -405,6 +405,17 @@ class Roofline:
     def step_seconds(self) -> float:
         return self.compute_seconds + self.exposed_communication_seconds + self.exposed_transfer_seconds
 
+    def seconds_by(self, category) -> dict[str, float]:
+        """The step's time by kind: each compute kernel's under category(kernel), then the exposed
+        communication and transfers under "communication (exposed)" and "transfers (exposed)"."""
+        seconds: dict[str, float] = {}
+        for kernel in self.kernels:
+            if kernel.computes:
+                seconds[category(kernel)] = seconds.get(category(kernel), 0.0) + kernel.total_seconds
+        seconds["communication (exposed)"] = self.exposed_communication_seconds
+        seconds["transfers (exposed)"] = self.exposed_transfer_seconds
+        return seconds
+
     @property
     def matmul_flops(self) -> float:
         return sum(k.flops * k.runs for k in self.kernels)
