@@ -7,6 +7,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from seqax.shardlib.bits import is_narrow_float, through_bits
+from seqax.shardlib.shardops import FLOAT8_OPERAND_NAME
 
 SAVED_NAME = "seqax_save_for_backward"
 
@@ -47,8 +48,9 @@ def _saved_as_bits_jvp(primals, tangents):
 
 def explicit_activation_checkpointing(f):
     """Remat `f` so that its backward pass keeps exactly its arguments and the values marked
-    with `save_for_backward`."""
-    return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(SAVED_NAME))
+    with `save_for_backward`, and the float8 casts of a float8 einsum's first operand (shardops.einsum_unreduced
+    keeps those by name)."""
+    return jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names(SAVED_NAME, FLOAT8_OPERAND_NAME))
 
 
 def fold_in_str(key: jax.Array, name: str) -> jax.Array:

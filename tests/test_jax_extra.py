@@ -14,6 +14,7 @@ from fixtures import abstract_state, make_mesh, tiny_config
 from seqax.analysis import memory
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing, fold_in_str, save_for_backward
 from seqax.kernels import attention
+from seqax.shardlib.shardops import FLOAT8_OPERAND_NAME
 
 
 def small_function(x):
@@ -76,6 +77,33 @@ def test_transformer_layer_keeps_exactly_what_it_marks(monkeypatch):
     assert all(re.search(r"from (the argument|a constant)", l) for l in others), others
     assert len(saved) >= 8, saved  # the norms' inputs, q, k, v, o, the log-sum-exp, the stream, the MLP's
     assert sorted(saved) == sorted(marked), (saved, marked)
+
+
+def test_a_float8_layer_keeps_its_activations_as_float8_casts():
+    """In float8 each einsum of the layer keeps its first operand (the activations: the normed stream, the
+    attention's output, the SwiGLU's hidden values) as the e4m3 cast the forward multiplied, one byte an element,
+    with its inverse scale: the backward multiplies the same values without casting them again, and keeps no
+    bfloat16 copy of what only those einsums needed (the MLP's normed input, which bf16 keeps). The memory
+    estimate counts them all."""
+    cfg = tiny_config("model.matmul_dtype=float8")
+    mesh = make_mesh(4, 2)
+    with jax.set_mesh(mesh):
+        lines = {dtype: memory.memory_annotations(config, mesh, abstract_state(config, mesh),
+                                                  partial(train.training_layer, config.model), train.forward).saved
+                 for dtype, config in (("float8", cfg), ("bfloat16", tiny_config()))}
+    B, L, M, F = cfg.training.tokens.batch // 4, cfg.training.tokens.len, cfg.model.d_model, cfg.model.d_ff // 2
+    Q, K, D = cfg.model.n_q_per_kv, cfg.model.n_kv // 2, cfg.model.d_head
+    casts = [residual_shape(line) for line in lines["float8"] if f"named '{FLOAT8_OPERAND_NAME}'" in line]
+    arrays = sorted(shape for dtype, shape in casts if dtype == "u8")
+    assert arrays == sorted([(B, L, M)] * 5 + [(B, L, Q, K, D), (B, L, F)]), casts  # q k v gate up; o; down
+    assert [shape for dtype, shape in casts if dtype == "f32"] == [()] * 7, casts  # each cast's inverse scale
+    saved_bf16 = {kind: [residual_shape(line)[1] for line in lines[kind]
+                         if f"named '{SAVED_NAME}'" in line and line.startswith("u16")] for kind in lines}
+    saved_bf16["bfloat16"].remove((B, L, M))  # the MLP's normed input
+    assert sorted(saved_bf16["float8"]) == sorted(saved_bf16["bfloat16"]), saved_bf16
+    kept = memory.layer_saved_values(lines["float8"])
+    assert sorted(size for _, size, why in kept if why.startswith("float8")) == sorted(
+        [B * L * M] * 5 + [B * L * Q * K * D, B * L * F] + [4] * 7)
 
 
 PINNED_EMBED_KEY = [4081611562, 4053798224]  # fold_in_str(key(0), "embed"), recorded once

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from seqax.analysis import hlo
 from seqax.config import MODEL_DIMENSIONS, ConfigError
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing
+from seqax.shardlib.shardops import FLOAT8_OPERAND_NAME
 from seqax.shardlib.shardtypes import ArrayType, Stacked, make_partition_specs
 
 MiB = 2**20
@@ -199,7 +200,8 @@ def residual_size(line: str) -> tuple[str, int]:
 
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
     """(shape, bytes, why) of what one layer keeps for its backward pass: every value marked with
-    save_for_backward (or save_in_forward_rule) and the layer's input (kept per layer for its recomputation).
+    save_for_backward (or save_in_forward_rule), a float8 einsum's kept cast and the layer's input (kept per layer
+    for its recomputation).
     Its weights are left out: they are slices of the stacked weights, counted once; so are empty
     values (the experts of a dense model)."""
     kept = []
@@ -208,6 +210,10 @@ def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list
             shape, size = residual_size(line)
             kept.append((shape, size,
                          "save_for_backward" + (" (a bf16 value's bits)" if shape.startswith("u16") else "")))
+        elif f"named '{FLOAT8_OPERAND_NAME}'" in line:
+            # A float8 einsum's first operand, kept as its cast. Einsums of the same operand (q, k and v's nx)
+            # each keep its cast, the same value, which XLA keeps once: counted each time (an upper bound).
+            kept.append((*residual_size(line), "float8 einsum operand"))
         elif line.split(" from ")[-1] == f"the argument {input_name}":
             kept.append((*residual_size(line), "layer input"))
     return [value for value in kept if value[1]]

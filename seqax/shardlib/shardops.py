@@ -24,6 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from seqax.shardlib.bits import through_bits
 from seqax.shardlib.float8 import E4M3, E5M2, scaled
@@ -207,7 +208,9 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
 
     multiply_in="float8" (model.matmul_dtype; two operands, float32 output): the operands, in any
     float type, are multiplied as e4m3 and the output's gradient as e5m2, each scaled by its amax
-    (float8.py); the gradients come back in the operands' types. Any other value, or None: the
+    (float8.py); the gradients come back in the operands' types. The first operand (the activations, in
+    train.py) is kept for the backward pass as its e4m3 cast, under FLOAT8_OPERAND_NAME; the second (a weight)
+    is cast again there. Any other value, or None: the
     operands' own type, as above."""
     op = "einsum_unreduced"
     inputs, output = _parse(spec, op)
@@ -282,27 +285,39 @@ def _varying(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+# The name under which a float8 einsum keeps its first operand's cast for the backward pass: the activation
+# checkpointing policy (jax_extra.explicit_activation_checkpointing) keeps values of this name as it keeps
+# save_for_backward's.
+FLOAT8_OPERAND_NAME = "seqax_float8_operand"
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _einsum_pair(a, b, plain: str, out_dtype, float8: bool):
-    if float8:
-        (a, a_inverse), (b, b_inverse) = scaled(a, E4M3), scaled(b, E4M3)
-        return jnp.einsum(plain, a, b, preferred_element_type=jnp.float32) * (a_inverse * b_inverse)
-    return jnp.einsum(plain, a, b, preferred_element_type=out_dtype)
+    return _einsum_pair_forward(a, b, plain, out_dtype, float8)[0]
 
 
 def _einsum_pair_forward(a, b, plain, out_dtype, float8):
-    return _einsum_pair(a, b, plain, out_dtype, float8), (a, b)
+    if not float8:
+        return jnp.einsum(plain, a, b, preferred_element_type=out_dtype), (a, b)
+    # The first operand (train.py's activations) is kept as its cast, half a bfloat16's bytes: the backward
+    # multiplies the same float8 values without casting them again. The second (a weight, gathered again under
+    # FSDP) is cast again.
+    (qa, a_inverse), (qb, b_inverse) = scaled(a, E4M3), scaled(b, E4M3)
+    kept = [through_bits(partial(checkpoint_name, name=FLOAT8_OPERAND_NAME), x) for x in (qa, a_inverse)]
+    out = jnp.einsum(plain, qa, qb, preferred_element_type=jnp.float32) * (a_inverse * b_inverse)
+    return out, (*kept, b, jnp.zeros((0,), a.dtype))  # the last: a's type (for its gradient's), no values
 
 
-def _einsum_pair_backward(plain, out_dtype, float8, operands, cotangent):
-    a, b = operands
+def _einsum_pair_backward(plain, out_dtype, float8, residuals, cotangent):
     (a_letters, b_letters), out_letters = plain.split("->")[0].split(","), plain.split("->")[1]
-    if float8:  # the operands cast again as the forward cast them (under remat nothing else is kept); the
-        # output's gradient rounded to the operands' type first, so that it is written at their width
+    if float8:  # the output's gradient rounded to the operands' type first, so that it is written at their width
+        qa, a_inverse, b, a_type = residuals
+        a = jax.ShapeDtypeStruct(qa.shape, a_type.dtype)
         g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))
-        (g, g_inverse), (qa, a_inverse), (qb, b_inverse) = scaled(g, E5M2), scaled(a, E4M3), scaled(b, E4M3)
+        (g, g_inverse), (qb, b_inverse) = scaled(g, E5M2), scaled(b, E4M3)
         return (_einsum_gradient(g, out_letters, qb, b_letters, a, a_letters, g_inverse * b_inverse),
                 _einsum_gradient(g, out_letters, qa, a_letters, b, b_letters, g_inverse * a_inverse))
+    a, b = residuals
     g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))  # the forward's operand dtype
     return (_einsum_gradient(g, out_letters, b, b_letters, a, a_letters),
             _einsum_gradient(g, out_letters, a, a_letters, b, b_letters))
