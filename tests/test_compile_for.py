@@ -1,9 +1,9 @@
 """bench/compile_for.py with the real GPU and TPU compilers (.venv-compilers, `make compilers`): the
 synthetic config's step compiled for one H200, for a host of 8 and for a TPU v6e host (with the
 Pallas attention kernels, the default there) fits their memory, has its collectives where the mesh
-needs them (asynchronous on the GPUs), and the roofline's matmul FLOPs are exactly what the code
-computes: the model's, plus what the attention kernel (blockwise, or Pallas) computes beyond the
-causal half and recomputes, plus Muon's Newton-Schulz; with model.matmul_dtype=float8, the layers'
+needs them (asynchronous on the GPUs; on the TPU the weights' gathers), and the roofline's matmul FLOPs
+are exactly what the code computes: the model's, plus what the attention kernel (blockwise, or Pallas)
+computes beyond the causal half and recomputes, plus Muon's Newton-Schulz; with model.matmul_dtype=float8, the layers'
 matrices multiply as float8 GEMMs on an H200 and a B200."""
 
 import json
@@ -46,12 +46,14 @@ def eight_devices(tmp_path_factory):
 
 
 def test_the_step_fits_each_device_and_its_compiler_says_how(eight_devices):
-    """... and memory.py's estimate, which models what an accelerator holds, is within 30% of each
-    target compiler's plan (2026-12-04: 0.81 of the H200's, 1.24 of the v6e's). XLA:CPU plans more
-    than either for the unrolled layers (0.65), so this is where the estimate is checked."""
+    """... and memory.py's estimate, which models what an accelerator holds (an upper bound of most terms),
+    is within 35% of each target compiler's plan (2026-12-04: 0.81 of the H200's, 1.24 of the v6e's; 1.32 of
+    the v6e's since its weights' gathers became rings of collective permutes, which write each block in place:
+    its plan 20.8 MiB, the estimate 27.4 MiB). XLA:CPU plans more than either for the unrolled layers
+    (0.65), so this is where the estimate is checked."""
     for row in eight_devices.values():
         assert 0 < row["memory_gib"] < 0.9 * row["device_memory_gib"], row
-        assert 0.7 <= row["estimate_gib"] / row["memory_gib"] <= 1.3, row
+        assert 0.7 <= row["estimate_gib"] / row["memory_gib"] <= 1.35, row
         assert row["estimate_gib"] > 0 and row["compile_seconds"] > 0
         assert 0 < row["mfu_ceiling"] < 1 and row["step_seconds"] > 0
         # where the time goes: all of it
@@ -60,11 +62,15 @@ def test_the_step_fits_each_device_and_its_compiler_says_how(eight_devices):
 
 def test_the_collectives_of_fsdp_and_tensor_parallelism_are_found(eight_devices):
     """d=4 t=2: the layers' weights are gathered and their gradients reduce-scattered every step; the
-    GPU compiler runs its collectives asynchronously (beside the kernels)."""
+    GPU compiler runs its collectives asynchronously (beside the kernels), the TPU's most of them."""
     gpu = eight_devices["h200"]
     assert gpu["collectives_per_step"] > 20 and gpu["communication_mib"] > 0
     assert gpu["asynchronous_collectives"] > 0
-    assert eight_devices["v6e"]["collectives_per_step"] > 20
+    # On the TPU each weight's gather is a ring of collective permutes, which libtpu runs asynchronously where
+    # it runs a shard_map's all-gathers synchronously (2026-12-06: 128 of 161 asynchronous; as all-gathers, 41
+    # of 103).
+    tpu = eight_devices["v6e"]
+    assert tpu["collectives_per_step"] > 20 and tpu["asynchronous_collectives"] > 0.7 * tpu["collectives_per_step"]
 
 
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas"])

@@ -80,23 +80,52 @@ def all_gather_cast(spec: str, x, dtype):
     as bfloat16, half the bytes); the gradient flows back as a float32 reduce-scatter, so that
     the cross-device sum is float32 whatever `dtype` is. Each device's part of that sum arrives
     in `dtype`, though (the gradient of a `dtype` array, as an einsum returns it): rounded before
-    the sum, which is why bf16 gradients differ between meshes by ~1e-3. x must be float32."""
+    the sum, which is why bf16 gradients differ between meshes by ~1e-3. x must be float32.
+
+    On a TPU the gather is a ring of collective permutes (n - 1 steps, each device passing on the block it
+    received last): libtpu runs a shard_map's all-gathers synchronously, between the kernels, and its
+    collective permutes asynchronously, beside them (tpu8_1b: exposed communication 16.7 -> 2.1 ms,
+    docs/performance.md). Elsewhere it is one all-gather, which GPUs run asynchronously as it is."""
     op = "all_gather_cast"
     gathers = _gathers(op, spec, x)
     _require_f32(op, x)
-    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype))
+    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype), _platform() == "tpu")
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_cast(x, gathers, dtype):
-    return through_bits(partial(_gather, gathers), x.astype(dtype))  # a bf16 collective as its bits (bits.py)
+def _platform() -> str:
+    """The platform traced for: the mesh's devices' (a compile for devices that are not here, bench/compile_for),
+    else JAX's default backend."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return device.platform if device is not None else jax.default_backend()
 
 
-def _gather_cast_forward(x, gathers, dtype):
-    return _gather_cast(x, gathers, dtype), None
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather_cast(x, gathers, dtype, ring: bool):
+    gather = _ring_gather if ring else _gather
+    return through_bits(partial(gather, gathers), x.astype(dtype))  # a bf16 collective as its bits (bits.py)
 
 
-def _gather_cast_backward(gathers, dtype, _, cotangent):
+def _ring_gather(gathers, x):
+    """_gather as n - 1 collective permutes around each ring of devices: after step k a device holds the
+    block of the device k before it, written into its place in the gathered array."""
+    for dim, axes in gathers:
+        n = lax.axis_size(axes)
+        if n > 1:
+            name = axes if len(axes) > 1 else axes[0]
+            i, block = lax.axis_index(name), x
+            blocks = lax.dynamic_update_index_in_dim(jnp.zeros((n,) + x.shape, x.dtype), x, i, 0)
+            for k in range(1, n):
+                block = lax.ppermute(block, name, [(j, (j + 1) % n) for j in range(n)])
+                blocks = lax.dynamic_update_index_in_dim(blocks, block, (i - k) % n, 0)
+            x = jnp.moveaxis(blocks, 0, dim).reshape(x.shape[:dim] + (n * x.shape[dim],) + x.shape[dim + 1 :])
+    return x
+
+
+def _gather_cast_forward(x, gathers, dtype, ring):
+    return _gather_cast(x, gathers, dtype, ring), None
+
+
+def _gather_cast_backward(gathers, dtype, ring, _, cotangent):
     return (_scatter(reversed(gathers), cotangent.astype(jnp.float32)),)
 
 
