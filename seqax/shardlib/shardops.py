@@ -117,7 +117,7 @@ def _ring_gather(gathers, x):
             for k in range(1, n):
                 block = lax.ppermute(block, name, [(j, (j + 1) % n) for j in range(n)])
                 blocks = lax.dynamic_update_index_in_dim(blocks, block, (i - k) % n, 0)
-            x = jnp.moveaxis(blocks, 0, dim).reshape(x.shape[:dim] + (n * x.shape[dim],) + x.shape[dim + 1 :])
+            x = _joined(blocks, dim)
     return x
 
 
@@ -169,8 +169,14 @@ def _gather(gathers, x):
         n = lax.axis_size(axes)
         if n > 1:  # over one device the identity: no op at all (and no change of type)
             blocks = lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=0, tiled=False)  # [n, ..., b, ...]
-            x = jnp.moveaxis(blocks, 0, dim).reshape(x.shape[:dim] + (n * x.shape[dim],) + x.shape[dim + 1 :])
+            x = _joined(blocks, dim)
     return x
+
+
+def _joined(blocks, dim: int):
+    """Blocks [n, ..., b, ...] of a gather, one after another along `dim`: [..., n b, ...]."""
+    n, shape = blocks.shape[0], blocks.shape[1:]
+    return jnp.moveaxis(blocks, 0, dim).reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1 :])
 
 
 def _scatter(scatters, x):
@@ -239,8 +245,7 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
     float type, are multiplied as e4m3 and the output's gradient as e5m2, each scaled by its amax
     (float8.py); the gradients come back in the operands' types. The first operand (the activations, in
     train.py) is kept for the backward pass as its e4m3 cast, under FLOAT8_OPERAND_NAME; the second (a weight)
-    is cast again there. Any other value, or None: the
-    operands' own type, as above."""
+    is cast again there. Any other value, or None: the operands' own type, as above."""
     op = "einsum_unreduced"
     inputs, output = _parse(spec, op)
     if len(inputs) != len(operands):
