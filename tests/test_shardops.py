@@ -97,18 +97,25 @@ def test_all_gather_cast_sends_bf16_and_sums_gradients_in_f32(mesh, monkeypatch,
 
 def test_a_ring_gather_over_two_axes_is_the_all_gather(mesh, monkeypatch):
     """all_gather_cast over two mesh axes of one dimension (M/d/t: d's blocks, each split over t), as a TPU
-    runs it (one ring over the 8 devices), gives every device the whole array in order."""
+    runs it (one ring over the 8 devices), gives every device the whole array in order; over more devices
+    than RING_DEVICES it is one all-gather."""
     w = rand(16, 3)
 
-    @typed_shard_map
-    def gathered(w: f32[b"M/d/t F"]) -> f32[b"X/d/t M F"]:
-        return all_gather_cast("M/d/t F -> M F", w, jnp.float32)[None]
+    def gathering():  # a new function each time: JAX caches a trace by the function
+        @typed_shard_map
+        def gathered(w: f32[b"M/d/t F"]) -> f32[b"X/d/t M F"]:
+            return all_gather_cast("M/d/t F -> M F", w, jnp.float32)[None]
+        return jax.jit(gathered)
 
     monkeypatch.setattr(shardops, "_platform", lambda: "tpu")
-    out = jax.jit(gathered)(w)
+    out = gathering()(w)
     for i in range(8):
         np.testing.assert_array_equal(np.asarray(out[i]), w)
-    assert " collective-permute" in jax.jit(gathered).lower(w).compile().as_text()
+    assert " collective-permute" in gathering().lower(w).compile().as_text()
+    # Over more devices than RING_DEVICES, one all-gather (a ring's permutes are written out one by one).
+    monkeypatch.setattr(shardops, "RING_DEVICES", 4)
+    text = gathering().lower(w).compile().as_text()
+    assert " all-gather(" in text and " collective-permute" not in text
 
 
 def test_all_gather_over_two_axes_of_one_dimension(mesh):

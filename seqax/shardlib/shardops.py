@@ -82,14 +82,21 @@ def all_gather_cast(spec: str, x, dtype):
     in `dtype`, though (the gradient of a `dtype` array, as an einsum returns it): rounded before
     the sum, which is why bf16 gradients differ between meshes by ~1e-3. x must be float32.
 
-    On a TPU the gather is a ring of collective permutes (n - 1 steps, each device passing on the block it
-    received last): libtpu runs a shard_map's all-gathers synchronously, between the kernels, and its
-    collective permutes asynchronously, beside them (tpu8_1b: exposed communication 16.7 -> 2.1 ms,
-    docs/performance.md). Elsewhere it is one all-gather, which GPUs run asynchronously as it is."""
+    On a TPU the gather over up to RING_DEVICES devices is a ring of collective permutes (n - 1 steps, each
+    device passing on the block it received last): libtpu runs a shard_map's all-gathers synchronously, between
+    the kernels, and its collective permutes asynchronously, beside them (tpu8_1b: exposed communication 16.7
+    -> 2.1 ms, docs/performance.md). Elsewhere it is one all-gather, which GPUs run asynchronously as it is."""
     op = "all_gather_cast"
     gathers = _gathers(op, spec, x)
     _require_f32(op, x)
-    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype), _platform() == "tpu")
+    ring = _platform() == "tpu" and all(lax.axis_size(axes) <= RING_DEVICES for _, axes in gathers)
+    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype), ring)
+
+
+# The most devices all_gather_cast gathers over by a ring on a TPU (tpu8_1b's 8): the ring's n - 1 permutes a
+# weight are written out one by one, and over 128 devices (tpu256_8b, d x c) the compile of the 8B's step
+# outgrew 24 GiB of host memory, where one all-gather a weight compiled in 737 s.
+RING_DEVICES = 8
 
 
 def _platform() -> str:
