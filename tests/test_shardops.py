@@ -66,7 +66,7 @@ def test_all_gather_cast_sends_bf16_and_sums_gradients_in_f32(mesh, monkeypatch,
     """The gathered weight is w rounded to bfloat16 (as the matmul would cast it), and its
     gradient is the float32 sum over d of each device's bfloat16 cotangent: no bf16 sum. As a TPU
     runs it, the gather is a ring of collective permutes, with the same values and gradient."""
-    monkeypatch.setattr(shardops, "_platform", lambda: platform)
+    monkeypatch.setattr(shardops, "traced_device", lambda: (platform, ""))
     w, c = rand(8, 6), rand(4, 8, 6)
     bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
 
@@ -107,7 +107,7 @@ def test_a_ring_gather_over_two_axes_is_the_all_gather(mesh, monkeypatch):
             return all_gather_cast("M/d/t F -> M F", w, jnp.float32)[None]
         return jax.jit(gathered)
 
-    monkeypatch.setattr(shardops, "_platform", lambda: "tpu")
+    monkeypatch.setattr(shardops, "traced_device", lambda: ("tpu", ""))
     out = gathering()(w)
     for i in range(8):
         np.testing.assert_array_equal(np.asarray(out[i]), w)

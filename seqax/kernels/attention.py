@@ -28,6 +28,7 @@ from seqax.jax_extra import save_in_forward_rule
 from seqax.kernels.flash_attention import ring_flash_attention
 from seqax.shardlib.bits import through_bits
 from seqax.shardlib.shardops import all_gather, axis_size, einsum_unreduced, ring_pass
+from seqax.shardlib.shardtypes import traced_device
 
 
 def causal_document_mask(q_position, k_position, q_doc_start, k_doc_start):
@@ -318,7 +319,4 @@ def kernel_for(kernel: str, platform: str, device_kind: str = ""):
 
 def training_attention(kernel: str):
     """kernel_for(kernel, the platform and device kind of the mesh the caller runs on), inside shard_map."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if device is None:
-        return kernel_for(kernel, jax.default_backend(), jax.devices()[0].device_kind)
-    return kernel_for(kernel, device.platform, device.device_kind)
+    return kernel_for(kernel, *traced_device())

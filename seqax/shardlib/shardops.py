@@ -28,7 +28,15 @@ from jax.ad_checkpoint import checkpoint_name
 
 from seqax.shardlib.bits import through_bits
 from seqax.shardlib.float8 import E4M3, E5M2, scaled
-from seqax.shardlib.shardtypes import Dim, ShapeError, dims_str, make_partition_specs, parse_dims, spec_axes
+from seqax.shardlib.shardtypes import (
+    Dim,
+    ShapeError,
+    dims_str,
+    make_partition_specs,
+    parse_dims,
+    spec_axes,
+    traced_device,
+)
 
 
 class SpecError(ValueError):
@@ -89,7 +97,7 @@ def all_gather_cast(spec: str, x, dtype):
     op = "all_gather_cast"
     gathers = _gathers(op, spec, x)
     _require_f32(op, x)
-    ring = _platform() == "tpu" and all(lax.axis_size(axes) <= RING_DEVICES for _, axes in gathers)
+    ring = traced_device()[0] == "tpu" and all(lax.axis_size(axes) <= RING_DEVICES for _, axes in gathers)
     return _gather_cast(x, tuple(gathers), jnp.dtype(dtype), ring)
 
 
@@ -97,13 +105,6 @@ def all_gather_cast(spec: str, x, dtype):
 # weight are written out one by one, and over 128 devices (tpu256_8b, d x c) the compile of the 8B's step
 # outgrew 24 GiB of host memory, where one all-gather a weight compiled in 737 s.
 RING_DEVICES = 8
-
-
-def _platform() -> str:
-    """The platform traced for: the mesh's devices' (a compile for devices that are not here, bench/compile_for),
-    else JAX's default backend."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    return device.platform if device is not None else jax.default_backend()
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

@@ -235,6 +235,15 @@ def abstract_arrays(shapes, annotation, mesh: jax.sharding.Mesh):
     return jax.tree.map(abstract, make_shardings(annotation, mesh), shapes)
 
 
+def traced_device() -> tuple[str, str]:
+    """(platform, device kind) of the devices being traced for, as JAX names them ("gpu", "NVIDIA H200"): the
+    current mesh's (which may be devices that are not here: bench/compile_for), else the default backend's."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        return jax.default_backend(), jax.devices()[0].device_kind
+    return device.platform, device.device_kind
+
+
 # ---- run-time checking ----
 
 _scope: contextvars.ContextVar[dict | None] = contextvars.ContextVar("seqax_shape_scope", default=None)
