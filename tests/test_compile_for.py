@@ -4,7 +4,8 @@ Pallas attention kernels, the default there) fits their memory, has its collecti
 needs them (asynchronous on the GPUs; on the TPU the weights' gathers), and the roofline's matmul FLOPs
 are exactly what the code computes: the model's, plus what the attention kernel (blockwise, or Pallas)
 computes beyond the causal half and recomputes, plus Muon's Newton-Schulz; with model.matmul_dtype=float8, the layers'
-matrices multiply as float8 GEMMs on an H200 and a B200."""
+matrices multiply as float8 GEMMs on an H200 and a B200 (and of an operand's cast, the H200's compiler folds
+only a bare convert into the GEMM: bench/float8_fusion.py)."""
 
 import json
 import math
@@ -238,3 +239,17 @@ def test_a_context_parallel_mesh_is_made_on_a_tpu_torus_whose_axes_it_does_not_m
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "{'d': 128, 'c': 2, 't': 1} 256"
+
+
+def test_the_gpu_compiler_folds_only_a_bare_convert_into_a_float8_gemm():
+    """bench/float8_fusion.py on an H200, at a small product: the compiler reads a bf16 operand into its float8
+    GEMM when the cast is a bare convert, and leaves a cast kernel (one pass over the operand more) for any
+    scale or clip on the way, float8.scaled's included: what docs/performance.md ("What XLA fuses into a float8
+    GEMM") builds its estimates on, checked again whenever the compilers change."""
+    result = subprocess.run([COMPILERS_PYTHON, "-m", "bench.float8_fusion", "--shape", "4096", "1024", "2048"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = {line[:50].strip(): line[50:].strip() for line in result.stdout.splitlines()[1:]}
+    assert len(verdicts) == 8, result.stdout
+    folded = {name for name, verdict in verdicts.items() if verdict.startswith("folded into the GEMM")}
+    assert folded == {"bare convert"}, result.stdout
