@@ -198,6 +198,13 @@ def rms_norm(x, weight, eps: float):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
+def rms_norm_bound(weight):
+    """A bound on |rms_norm(x, weight)| for every x, from the weight alone: |x_i| <= sqrt(sum_j x_j^2) =
+    sqrt(M mean(x^2)), so a normed value is at most sqrt(M) max|weight| (eps only lowers it). Float8 scales
+    the normed stream by it (einsum_unreduced's first_amax): known before the norm runs, no pass over its output."""
+    return math.sqrt(weight.shape[-1]) * jnp.max(jnp.abs(weight))
+
+
 def rope_rotation(position, d_head: int, base: float):
     """(sin, cos) [B, L, R] of the rotary embedding's angles (RoFormer, Su et al. 2021) at
     positions [B, L]: position / base^(2r / D). Computed once a step, outside the layers: inside,
@@ -229,9 +236,11 @@ def attention_block(arch: ModelConfig, x, w: Layer, rotation, attend):
     w_q = all_gather_cast("M/d/c Q K/t D -> M Q K/t D", w.w_q, dtype)
     w_k = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_k, dtype)
     w_v = all_gather_cast("M/d/c K/t D -> M K/t D", w.w_v, dtype)
-    q = einsum_unreduced("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q, multiply_in=multiply_in)
-    k = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k, multiply_in=multiply_in)
-    v = einsum_unreduced("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v, multiply_in=multiply_in).astype(dtype)
+    # float8: nx scaled by its norm's bound, not its own amax
+    project = partial(einsum_unreduced, multiply_in=multiply_in, first_amax=rms_norm_bound(w.attn_norm))
+    q = project("B/d L/c M, M Q K/t D -> B/d L/c Q K/t D", nx, w_q)
+    k = project("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_k)
+    v = project("B/d S/c M, M K/t D -> B/d S/c K/t D", nx, w_v).astype(dtype)
     q, k = rope(q, *rotation).astype(dtype), rope(k, *rotation).astype(dtype)
     # Training's attend (attention.training_attention's kernel) keeps q, k, v, o and its log-sum-exp for backward.
     o, extra = attend(q, k, v)  # [B/d, L/c, Q, K/t, D]
@@ -240,14 +249,15 @@ def attention_block(arch: ModelConfig, x, w: Layer, rotation, attend):
     return save_for_backward(x + psum_scatter("B/d L/c M -> B/d L/c M/t", out)), extra
 
 
-def mlp_block(arch: ModelConfig, nx, w: Layer):
+def mlp_block(arch: ModelConfig, nx, nx_bound, w: Layer):
     """SwiGLU (Shazeer 2020): (silu(nx w_gate) * nx w_up) w_down of the normed stream nx [B/d, L/c, M]
-    (the matmul type): [B/d, L/c, M], float32 partial sums over t."""
+    (the matmul type; |nx| <= nx_bound, its norm's rms_norm_bound): [B/d, L/c, M], float32 partial sums over t."""
     dtype, multiply_in = arch.operand_dtype, arch.matmul_dtype
     w_gate = all_gather_cast("M/d/c F/t -> M F/t", w.w_gate, dtype)
     w_up = all_gather_cast("M/d/c F/t -> M F/t", w.w_up, dtype)
-    gate = einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate, multiply_in=multiply_in)
-    up = einsum_unreduced("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up, multiply_in=multiply_in)
+    project = partial(einsum_unreduced, multiply_in=multiply_in, first_amax=nx_bound)  # float8: as attention's
+    gate = project("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_gate)
+    up = project("B/d L/c M, M F/t -> B/d L/c F/t", nx, w_up)
     gate, up = save_for_backward(gate.astype(dtype)), save_for_backward(up.astype(dtype))
     gate_f32 = gate.astype(jnp.float32)  # silu(gate) * up in float32, rounded once (as grouped_swiglu)
     hidden = (gate_f32 * jax.nn.sigmoid(gate_f32) * up).astype(dtype)
@@ -317,7 +327,7 @@ def transformer_layer(arch: ModelConfig, x, w: Layer, rotation, attend):
     x, extra = attention_block(arch, x, w, rotation, attend)
     normed = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.ffn_norm, arch.norm_eps)  # float32
     nx = save_for_backward(normed.astype(arch.operand_dtype))
-    out = mlp_block(arch, nx, w)
+    out = mlp_block(arch, nx, rms_norm_bound(w.ffn_norm), w)
     experts_out, routing = experts_block(arch, normed, nx, w)
     return x + psum_scatter("B/d L/c M -> B/d L/c M/t", out + experts_out), extra, routing
 

@@ -1,7 +1,8 @@
 """shardlib/float8.py and einsum_unreduced(..., multiply_in="float8"): the scaled cast is one rounding to
 e4m3 (or e5m2) by a power-of-two scale, as numpy's ml_dtypes rounds; a float8 matmul and both of its
 gradients are within the bound that e4m3's and e5m2's precision give, elementwise, on operands that
-e4m3 unscaled cannot hold (above 448, or below its smallest value)."""
+e4m3 unscaled cannot hold (above 448, or below its smallest value); a scale from a bound given for the
+amax (the normed stream's, train.rms_norm_bound) is that bound's, with anything rounded past it clipped."""
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,22 @@ def test_the_scaled_cast_rounds_once_by_a_power_of_two():
     for bad in (np.inf, np.nan):  # a non-finite tensor stays non-finite (as its bf16 matmul would be)
         values, _ = scaled(jnp.asarray([1.0, bad]), E4M3)
         assert np.all(np.isnan(np.asarray(values, np.float32)))
+
+
+def test_a_bound_given_for_the_amax_sets_the_scale_and_a_value_rounded_past_it_is_clipped():
+    """scaled(x, dtype, amax=bound): the scale is the bound's (its power of two, whatever x holds), the values
+    under it are x x scale rounded once; a value past the bound (as a rounding may put one: a bfloat16 of a
+    normed value) casts to e4m3's largest, not to NaN, which e4m3 gives for what it cannot hold."""
+    x = np.random.default_rng(2).standard_normal(1000).astype(np.float32) * 300
+    amax = float(np.max(np.abs(x)))
+    values, inverse = (np.asarray(a) for a in scaled(jnp.asarray(x), E4M3, amax=jnp.float32(8 * amax)))
+    scale = 1 / float(inverse)
+    assert 448 / 2 < 8 * amax * scale <= 448 and scale == 1 / float(scaled(jnp.asarray(x), E4M3)[1]) / 8
+    np.testing.assert_array_equal(values.view(np.uint8), (x * scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    past = np.array([448.0, -448.0 * 1.1], np.float32)  # the bound 448, the second past it
+    clipped, inverse = (np.asarray(a, np.float32) for a in scaled(jnp.asarray(past), E4M3, amax=jnp.float32(448)))
+    assert float(inverse) == 1.0 and list(clipped) == [448.0, -448.0]
+    assert np.isnan(past.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)[1])  # unclipped: NaN
 
 
 def bound(a, b, letters: str, relative_a, absolute_a, relative_b, absolute_b):

@@ -161,6 +161,54 @@ def test_float8_gradients_are_within_float8s_rounding_of_exact(problem, exact_re
     assert np.mean([err for _, err in ours]) < 20 * np.mean(list(reference.values())), (ours, reference)
 
 
+def reductions_of_shape(jaxpr, primitive: str, shape: tuple) -> int:
+    """How many `primitive` equations of jaxpr (its inner jaxprs included) reduce an operand of `shape`."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == primitive and tuple(eqn.invars[0].aval.shape) == shape
+        for param in eqn.params.values():
+            for inner in (param if isinstance(param, (list, tuple)) else [param]):
+                if isinstance(inner, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    count += reductions_of_shape(getattr(inner, "jaxpr", inner), primitive, shape)
+    return count
+
+
+def test_float8_scales_the_normed_stream_by_its_norms_bound_not_its_amax():
+    """rms_norm_bound bounds every normed value (a one-hot row, which puts all of its norm on one element,
+    reaches it up to eps), so float8 scales the normed stream by it: the forward pass takes no amax over the
+    normed stream [B, L, M], whose cast the compiler can then make in the norm's own kernel; bfloat16 takes
+    none either, and float8 still takes the amax of the attention's output and the SwiGLU's hidden values."""
+    M, gain = 64, jnp.linspace(-3.0, 2.0, 64)
+    bound = float(train.rms_norm_bound(gain))
+    assert bound == pytest.approx(8 * 3.0)
+    one_hot = jnp.zeros((1, M)).at[0, 0].set(1e3)  # on the gain's largest magnitude, -3
+    assert float(jnp.max(jnp.abs(train.rms_norm(one_hot, gain, 1e-5)))) == pytest.approx(bound, rel=1e-9)
+    rows = jax.random.normal(jax.random.key(0), (256, M)) * jnp.logspace(-3, 3, 256)[:, None]
+    assert float(jnp.max(jnp.abs(train.rms_norm(rows, gain, 1e-5)))) <= bound
+
+    def forward_reductions(*overrides: str) -> tuple[int, int, int]:
+        cfg = tiny_config(*overrides)
+        mesh = make_mesh(4, 2)
+        h, B, L = cfg.model, cfg.training.tokens.batch // 4, cfg.training.tokens.len
+
+        @typed_shard_map
+        def loss(w: train.Model, targets: u32[b"B/d L/c"], starts: bool_[b"B/d L/c"],
+                 mask: bool_[b"B/d L/c"]) -> f32[b""]:
+            return lax.psum(train.model_loss(h, 0.0, w, targets, starts, mask)[0], ("d", "c"))
+
+        with jax.set_mesh(mesh):
+            state = abstract_state(cfg, mesh)
+            batch = [jax.ShapeDtypeStruct((cfg.training.tokens.batch, L), dtype) for dtype in (jnp.uint32, bool, bool)]
+            jaxpr = jax.make_jaxpr(loss)(state.weights, *batch).jaxpr
+        shapes = [(B, L, h.d_model), (B, L, h.n_q_per_kv, h.n_kv // 2, h.d_head), (B, L, h.d_ff // 2)]
+        return tuple(reductions_of_shape(jaxpr, "reduce_max", shape) for shape in shapes)
+
+    wider = "model.d_ff=384"  # the hidden values [B, L, F/t] shaped as neither the normed stream nor the logits
+    normed, attention_out, hidden = forward_reductions(wider, "model.matmul_dtype=float8")
+    assert normed == 0 and attention_out > 0 and hidden > 0, (normed, attention_out, hidden)
+    assert forward_reductions(wider) == (0, 0, 0)
+
+
 def test_reference_loss_is_near_log_vocab_at_init(small_problem):
     """Guards the reference itself: a broken reference could agree with a broken model."""
     cfg, *_, ref_loss, _ = small_problem

@@ -24,12 +24,18 @@ E4M3 = jnp.float8_e4m3fn  # the forward's operands
 E5M2 = jnp.float8_e5m2  # the gradient of a matmul's output
 
 
-def scaled(x, dtype):
+def scaled(x, dtype, amax=None):
     """(x x scale cast to `dtype`, 1 / scale): the scale the largest power of two that keeps x's amax
     within dtype's largest value (1 for a tensor of zeros or none; at most 2^100, so that the tiniest tensors
-    do not overflow the scale). A non-finite amax gives a NaN result, as the matmul in bfloat16 would."""
+    do not overflow the scale). A non-finite amax gives a NaN result, as the matmul in bfloat16 would.
+
+    `amax`, when given, is a bound on |x| known before x is computed (train.rms_norm_bound: the normed stream's,
+    from its gain), used instead of x's own: no pass over x waits to find it, so the compiler can cast x in the
+    kernel that computes it. Values a rounding puts above the bound are clipped to dtype's largest."""
     largest = float(jnp.finfo(dtype).max)
-    amax = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)  # initial: an empty x (a model with d_ff 0) has 0
+    if amax is None:
+        amax = jnp.max(jnp.abs(x), initial=0)  # initial: an empty x (a model with d_ff 0) has 0
+    amax = jnp.asarray(amax).astype(jnp.float32)
     exponent = jnp.floor(jnp.log2(largest / jnp.where(amax > 0, amax, largest)))
     scale = jnp.where(jnp.isfinite(amax), jnp.exp2(jnp.clip(exponent, -126, 100)), jnp.nan)
     # In x's own type: a power of two scales a bfloat16 exactly, and a float32 copy of x would be a
