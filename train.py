@@ -18,9 +18,9 @@ data_loader.zigzag_chunks; attention passes keys and values around the c ring) a
 weights.
 
 Precision: weights, optimizer state, the residual stream and norms in float32; matmuls multiply in
-model.matmul_dtype (bfloat16; float8 for the linear layers, each operand scaled by its amax and the
-rest in bfloat16; float32 where a test checks the math against tests/reference.py) with float32
-accumulation; every sum across devices in float32.
+model.matmul_dtype (bfloat16; float8 for the linear layers and the unembedding, each operand scaled by
+its amax or a bound on it, the rest in bfloat16; float32 where a test checks the math against
+tests/reference.py) with float32 accumulation; every sum across devices in float32.
 
 Names: `cfg` is a run's Config, `arch` its model section (the architecture), `training` its training
 section (config.py); `w` weights, `x` the residual stream, `nx` its normed value as matmul operand.
@@ -356,18 +356,21 @@ def embed_tokens(w: Model, inputs):
     return psum_scatter("B/d L/c M -> B/d L/c M/t", index_unreduced("V/t M, B/d L/c -> B/d L/c M", embed, inputs))
 
 
-def output_logits(arch: ModelConfig, w: Model, x):
-    """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x."""
+def output_logits(arch: ModelConfig, w: Model, x, logit_gradient_bound=None):
+    """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x.
+    logit_gradient_bound: a bound on the loss's gradient by a logit (float8 scales that gradient by it), or None."""
     nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, arch.norm_eps).astype(arch.operand_dtype)
-    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.operand_dtype)  # (float8: this one bfloat16)
-    return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed)
+    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.operand_dtype)
+    return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed, multiply_in=arch.matmul_dtype,
+                            first_amax=rms_norm_bound(w.final_norm), gradient_amax=logit_gradient_bound)
 
 
 @typechecked
-def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
-            is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], Array[b"layers", Routing]]:
+def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
+            logit_gradient_bound=None) -> tuple[f32[b"B/d L/c V/t"], Array[b"layers", Routing]]:
     """Next-token logits at every position of packed documents, and each layer's Routing (stacked).
-    The input of a document's first position is token 0 (begin of document)."""
+    The input of a document's first position is token 0 (begin of document). logit_gradient_bound: as
+    output_logits'."""
     length = inputs.shape[1] * lax.axis_size("c")
     check_attention_blocks(arch, length, lax.axis_size("c"))
     # With c > 1 a token's document start and position depend on other devices' chunks: whole rows and back.
@@ -386,15 +389,15 @@ def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
     for i in range(arch.layers):
         x, routing = body(x, jax.tree.map(operator.itemgetter(i), w.layers))  # layer i's weights
         routings.append(routing)
-    return output_logits(arch, w, x), jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
+    return output_logits(arch, w, x, logit_gradient_bound), jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
 
 
 @typechecked
-def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
-                 is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
+def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
+                 logit_gradient_bound=None) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
     """The next-token cross-entropy of every target of packed documents: -log p(target), and each
     layer's Routing. Each document's first token is predicted from input token 0, so every token of
-    it is a target."""
+    it is a target. logit_gradient_bound: as output_logits'."""
     # The inputs are the targets shifted right by one position: the model at position i sees token
     # i - 1 and predicts token i. At a document's first position the input is token 0 (begin of
     # document), not the previous document's last token. The shift is done on whole rows: with
@@ -402,7 +405,7 @@ def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
     row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)
     shifted = jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))  # [B/d, L]: position i holds target i - 1
     inputs = this_devices_chunks(jnp.where(row_starts, 0, shifted))
-    logits, routing = forward(arch, w, inputs, is_seq_start)  # float32
+    logits, routing = forward(arch, w, inputs, is_seq_start, logit_gradient_bound)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t; take_unreduced picks the target's logit on the device holding it.
     max_logit = pmax("B/d L/c", lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
@@ -415,9 +418,10 @@ def model_loss(arch: ModelConfig, balance_weight: float, w: Model, targets, is_s
     """This device's share of what training minimizes: the mean token_losses over the global batch's real
     tokens (not padding: loss_mask), plus balance_weight x the layers' balance losses. Also returns the
     cross-entropy share alone and the experts' loads [layers, E] (aux)."""
-    global_tokens = psum("", jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c"))
-    losses, routing = token_losses(arch, w, targets, is_seq_start)
-    loss = jnp.sum(jnp.where(loss_mask, losses, 0.0)) / jnp.maximum(global_tokens, 1)
+    global_tokens = jnp.maximum(psum("", jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c")), 1)
+    # d loss / d logit = (softmax - one-hot) / global_tokens for a real token, 0 for padding: at most 1 / global_tokens.
+    losses, routing = token_losses(arch, w, targets, is_seq_start, 1 / global_tokens)
+    loss = jnp.sum(jnp.where(loss_mask, losses, 0.0)) / global_tokens
     return loss + balance_weight * jnp.sum(routing.balance_loss), (loss, routing.load)
 
 

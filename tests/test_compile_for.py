@@ -104,25 +104,26 @@ def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
     assert row["hlo_matmul_tflop_per_device"] * 1e12 == pytest.approx(expected, rel=1e-3), (row, expected)
 
 
-def test_the_layers_matrices_and_experts_multiply_in_float8_on_hopper_and_blackwell(tmp_path):
+def test_the_layers_matrices_experts_and_unembedding_multiply_in_float8_on_hopper_and_blackwell(tmp_path):
     """model.matmul_dtype=float8 on one H200 and one B200, a mixture of experts beside the dense SwiGLU: their
-    compilers multiply the layers' matrices and the experts as float8 GEMMs (the HLO's dot takes both operands
-    in float8, not widened to bf16 first). The float8 matmul FLOPs are exactly 6 per parameter of every dense
-    matrix of the layers per token (the forward and both gradients) plus the experts' blocks' 11 matmuls
-    (counted as the next test counts them), which the roofline prices at the float8 rate (test_roofline); the
-    other matmuls (attention, the router, the gates' sum, the logits, Newton-Schulz) stay bf16 or float32."""
+    compilers multiply the layers' matrices, the experts and the unembedding as float8 GEMMs (the HLO's dot
+    takes both operands in float8, not widened to bf16 first). The float8 matmul FLOPs are exactly 6 per
+    parameter of every dense matrix of the layers and of the unembedding per token (the forward and both
+    gradients) plus the experts' blocks' 11 matmuls (counted as the next test counts them), which the roofline
+    prices at the float8 rate (test_roofline); the other matmuls (attention, the router, the gates' sum,
+    Newton-Schulz) stay bf16 or float32."""
     moe = ["+model.experts=4", "+model.experts_per_token=2", "+model.expert_d_ff=512", "+model.expert_block=64"]
     rows = compile_for(tmp_path, "float8", ["local_test_synthetic"], ["h200", "b200"], "mesh.d=1", "mesh.t=1",
                        "model.matmul_dtype=float8", "model.attention_kernel=blockwise", *moe)
     cfg = load_config("local_test_synthetic", ["+paths.model_name=x", "mesh.d=1", "mesh.t=1", *moe])
     h, tokens = cfg.model, cfg.training.tokens.batch * cfg.training.tokens.len
     layers = jax.eval_shape(lambda: train.init_weights(h, jax.random.key(0))).layers
-    dense = sum(math.prod(getattr(layers, name).shape) for name in ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up",
-                                                                      "w_down"))
+    layer_matrices = ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down")
+    matrices = sum(math.prod(getattr(layers, name).shape) for name in layer_matrices) + h.d_model * h.vocab
     blocks = -(-(tokens * h.experts_per_token // h.experts + h.expert_block // 2) // h.expert_block)
     experts = h.layers * 2 * h.d_model * h.expert_d_ff * 11 * h.experts * blocks * h.expert_block
     for row in rows:
-        assert row["hlo_float8_matmul_tflop_per_device"] * 1e12 == pytest.approx(6 * dense * tokens + experts,
+        assert row["hlo_float8_matmul_tflop_per_device"] * 1e12 == pytest.approx(6 * matrices * tokens + experts,
                                                                                  rel=1e-9), row
         assert 0.5 < row["hlo_float8_matmul_tflop_per_device"] / row["hlo_matmul_tflop_per_device"] < 1, row
 

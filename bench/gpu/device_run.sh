@@ -8,7 +8,7 @@
 #      prediction beside the measurement) with the device's Pallas kernels (the Hopper ones on an H100 or
 #      H200) and with Triton's, side by side;
 #   2b. gpu1_1b with model.matmul_dtype=float8, the same table: float8 against bf16, side by side (the
-#      roofline forecasts 1.32x tokens/s on an H200; docs/performance.md, "Float8 matmuls");
+#      roofline forecasts 1.36x tokens/s on an H200; docs/performance.md, "Float8 matmuls");
 #   3. the other checks only a GPU can make (the MoE dispatch and a training step with the Pallas kernels,
 #      from test_moe.py and test_flash_attention.py, which run on one device of any kind);
 #   4. the mixture of experts against dense on one GPU (gpu8_1b_moe and gpu1_1b cut to 10 layers and

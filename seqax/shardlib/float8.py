@@ -30,8 +30,9 @@ def scaled(x, dtype, amax=None):
     do not overflow the scale). A non-finite amax gives a NaN result, as the matmul in bfloat16 would.
 
     `amax`, when given, is a bound on |x| known before x is computed (train.rms_norm_bound: the normed stream's,
-    from its gain), used instead of x's own: no pass over x waits to find it, so the compiler can cast x in the
-    kernel that computes it. Values a rounding puts above the bound are clipped to dtype's largest."""
+    from its gain; train.model_loss's on the logits' gradient: 1 / the batch's tokens), used instead of x's
+    own: no pass over x waits to find it, so the compiler can cast x in the kernel that computes it. Values a
+    rounding puts above the bound are clipped to dtype's largest."""
     largest = float(jnp.finfo(dtype).max)
     if amax is None:
         amax = jnp.max(jnp.abs(x), initial=0)  # initial: an empty x (a model with d_ff 0) has 0

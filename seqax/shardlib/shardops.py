@@ -239,7 +239,7 @@ def _all_reduced(op: str, spec: str, x, axes):
 
 
 def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, multiply_in: str | None = None,
-                     first_amax=None):
+                     first_amax=None, gradient_amax=None):
     """einsum on per-device blocks. A contracted dimension that is sharded leaves a partial sum
     (unreduced) that the caller reduces with psum or psum_scatter. Accumulates in float32 by
     default: bf16 operands with f32 results are the fast and accurate path.
@@ -255,8 +255,9 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
     (float8.py); the gradients come back in the operands' types. The first operand (the activations, in
     train.py) is kept for the backward pass as its e4m3 cast, under FLOAT8_OPERAND_NAME; the second (a weight)
     is cast again there. `first_amax`, a bound on the first operand's magnitude known before it is computed,
-    gives that operand's scale instead of its own amax (float8.scaled). Any other value, or None: the operands'
-    own type, as above, and first_amax unused."""
+    gives that operand's scale instead of its own amax (float8.scaled); `gradient_amax`, a bound on the output's
+    gradient known before the backward pass computes it, gives that gradient's. Any other value, or None: the
+    operands' own type, as above, and the bounds unused."""
     op = "einsum_unreduced"
     inputs, output = _parse(spec, op)
     if len(inputs) != len(operands):
@@ -297,7 +298,8 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
     # Both operands vary over the same mesh axes before the custom gradient (check_vma): the
     # gradient of one made varying is then summed over those axes by autodiff, as for jnp.einsum.
     a, b = (_varying(x, _varying_axes(operands[0]) | _varying_axes(operands[1])) for x in operands)
-    return _einsum_pair(a, b, first_amax if float8 else None, plain, jnp.dtype(preferred_element_type), float8)
+    bounds = (first_amax, gradient_amax) if float8 else (None, None)
+    return _einsum_pair(a, b, bounds, plain, jnp.dtype(preferred_element_type), float8)
 
 
 def _varying_axes(x) -> frozenset:
@@ -337,37 +339,38 @@ FLOAT8_OPERAND_NAME = "seqax_float8_operand"
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _einsum_pair(a, b, a_amax, plain: str, out_dtype, float8: bool):
-    return _einsum_pair_forward(a, b, a_amax, plain, out_dtype, float8)[0]
+def _einsum_pair(a, b, bounds, plain: str, out_dtype, float8: bool):
+    """`bounds`: (a bound on |a|, a bound on the output's gradient), each None where the amax is to be taken."""
+    return _einsum_pair_forward(a, b, bounds, plain, out_dtype, float8)[0]
 
 
-def _einsum_pair_forward(a, b, a_amax, plain, out_dtype, float8):
+def _einsum_pair_forward(a, b, bounds, plain, out_dtype, float8):
     if not float8:
-        return jnp.einsum(plain, a, b, preferred_element_type=out_dtype), (a, b, a_amax)
+        return jnp.einsum(plain, a, b, preferred_element_type=out_dtype), (a, b, bounds)
     # The first operand (train.py's activations) is kept as its cast, half a bfloat16's bytes: the backward
     # multiplies the same float8 values without casting them again. The second (a weight, gathered again under
     # FSDP) is cast again.
-    (qa, a_inverse), (qb, b_inverse) = scaled(a, E4M3, a_amax), scaled(b, E4M3)
+    (qa, a_inverse), (qb, b_inverse) = scaled(a, E4M3, bounds[0]), scaled(b, E4M3)
     kept = [through_bits(partial(checkpoint_name, name=FLOAT8_OPERAND_NAME), x) for x in (qa, a_inverse)]
     out = jnp.einsum(plain, qa, qb, preferred_element_type=jnp.float32) * (a_inverse * b_inverse)
-    return out, (*kept, b, jnp.zeros((0,), a.dtype), a_amax)  # the fourth: a's type (for its gradient's), no values
+    return out, (*kept, b, jnp.zeros((0,), a.dtype), bounds)  # the fourth: a's type (for its gradient's), no values
 
 
 def _einsum_pair_backward(plain, out_dtype, float8, residuals, cotangent):
     (a_letters, b_letters), out_letters = plain.split("->")[0].split(","), plain.split("->")[1]
-    *residuals, a_amax = residuals
-    no_amax_gradient = None if a_amax is None else jnp.zeros_like(a_amax)  # a bound, not a function of a or b
+    *residuals, bounds = residuals
+    no_bound_gradient = jax.tree.map(jnp.zeros_like, bounds)  # bounds, not functions of a or b
     if float8:  # the output's gradient rounded to the operands' type first, so that it is written at their width
         qa, a_inverse, b, a_type = residuals
         a = jax.ShapeDtypeStruct(qa.shape, a_type.dtype)
         g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))
-        (g, g_inverse), (qb, b_inverse) = scaled(g, E5M2), scaled(b, E4M3)
+        (g, g_inverse), (qb, b_inverse) = scaled(g, E5M2, bounds[1]), scaled(b, E4M3)
         return (_einsum_gradient(g, out_letters, qb, b_letters, a, a_letters, g_inverse * b_inverse),
-                _einsum_gradient(g, out_letters, qa, a_letters, b, b_letters, g_inverse * a_inverse), no_amax_gradient)
+                _einsum_gradient(g, out_letters, qa, a_letters, b, b_letters, g_inverse * a_inverse), no_bound_gradient)
     a, b = residuals
     g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))  # the forward's operand dtype
     return (_einsum_gradient(g, out_letters, b, b_letters, a, a_letters),
-            _einsum_gradient(g, out_letters, a, a_letters, b, b_letters), no_amax_gradient)
+            _einsum_gradient(g, out_letters, a, a_letters, b, b_letters), no_bound_gradient)
 
 
 def _einsum_gradient(g, g_letters: str, other, other_letters: str, x, x_letters: str, inverse_scale=None):
