@@ -94,10 +94,11 @@ def test_bad_shapes_are_one_line():
 
 def test_float8_is_within_float8s_rounding_on_operands_e4m3_cannot_hold_unscaled():
     """multiply_in="float8": rows of 1e3 (e4m3's largest is 448), weights of 1e-4 and an output gradient of 1e-6
-    (below e4m3's and e5m2's smallest values): unscaled, the casts give NaN and zeros. Scaled, the output and
-    every gradient are float8's rounding of the exact ones: each relative L2 error from float64 below 32x the
-    bfloat16 run's (e5m2's unit roundoff over bfloat16's, as tests/test_model.py bounds the dense layers), and
-    above 2x it (the float8 cast is in effect). Measured: 13-20x."""
+    (below e4m3's smallest value): unscaled, the casts give NaN and zeros. Scaled, the output and every
+    gradient are e4m3's rounding of the exact ones (the output's gradient is cast to e4m3 too, as the dense
+    layers' are): each relative L2 error from float64 below 16x the bfloat16 run's (e4m3's unit roundoff over
+    bfloat16's), and above 2x it (the float8 cast is in effect). Measured: 12.9-13.4x (with the gradients in
+    e5m2: 13-20x)."""
     N, M, H, G = 64, 32, 24, 4
     x = rng.standard_normal((N, M)) * 1e3
     gate_w, up_w = (rng.standard_normal((G, M, H)) / np.sqrt(M) * 1e-4 for _ in range(2))
@@ -118,4 +119,4 @@ def test_float8_is_within_float8s_rounding_on_operands_e4m3_cannot_hold_unscaled
     bf16, float8 = run(jnp.bfloat16, None), run(jnp.bfloat16, "float8")
     for name, e, b, f in zip(("output", "x", "gate_w", "up_w", "down_w"), exact, bf16, float8):
         b_err, f_err = (np.linalg.norm(a - e) / np.linalg.norm(e) for a in (b, f))
-        assert 2 * b_err < f_err < 32 * b_err, f"{name}: float8 {f_err:.2e}, bf16 {b_err:.2e} from float32"
+        assert 2 * b_err < f_err < 16 * b_err, f"{name}: float8 {f_err:.2e}, bf16 {b_err:.2e} from float32"

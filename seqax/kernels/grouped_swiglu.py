@@ -18,7 +18,8 @@ to x's dtype (the dense SwiGLU keeps them in float32: here they are the output, 
 
 multiply_in="float8" (model.matmul_dtype) multiplies as einsum_unreduced does (shardlib/float8.py): each
 expert's three weights cast to e4m3 once, each block's rows and hidden activations by their own amax (finer
-than one scale for all rows: a block holds one expert's rows), the gradients of a block's outputs to e5m2.
+than one scale for all rows: a block holds one expert's rows), the gradients of a block's outputs to e4m3 too
+(as the dense layers').
 
 JAX cannot differentiate a loop of data-dependent length in reverse, so the gradient is written out
 (custom_vjp): the same loops recompute each block's gate, up and hidden values and give its rows'
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqax.shardlib.float8 import E4M3, E5M2, matmul, operand, transposed
+from seqax.shardlib.float8 import E4M3, matmul, operand, transposed
 from seqax.shardlib.shardops import zeros_after
 
 
@@ -122,13 +123,13 @@ def _backward(expected_blocks, float8, residuals, d_out):
             at = rows[i]
             x8, gate, up, hidden = _hidden(x.at[at].get(mode="clip"), gate_w, up_w, float8)
             # A padding place reads some row of x (clipped: no mask), but its dy is 0, so it adds nothing.
-            dy = operand(dx.at[at].get(mode="fill", fill_value=0), E5M2, float8)
+            dy = operand(dx.at[at].get(mode="fill", fill_value=0), E4M3, float8)
             d_down_w += matmul(transposed(operand(hidden, E4M3, float8)), dy)
             d_hidden = matmul(dy, transposed(down_w))
             sig = jax.nn.sigmoid(gate)
             d_gate = (d_hidden * up * sig * (1 + gate * (1 - sig))).astype(x.dtype)  # silu'(g) = s (1 + g (1 - s))
             d_up = (d_hidden * gate * sig).astype(x.dtype)
-            d_gate, d_up = operand(d_gate, E5M2, float8), operand(d_up, E5M2, float8)
+            d_gate, d_up = operand(d_gate, E4M3, float8), operand(d_up, E4M3, float8)
             d_gate_w += matmul(transposed(x8), d_gate)
             d_up_w += matmul(transposed(x8), d_up)
             dx_block = matmul(d_gate, transposed(gate_w)) + matmul(d_up, transposed(up_w))

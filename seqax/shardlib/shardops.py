@@ -239,7 +239,7 @@ def _all_reduced(op: str, spec: str, x, axes):
 
 
 def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, multiply_in: str | None = None,
-                     first_amax=None, gradient_amax=None):
+                     first_amax=None, gradient_amax=None, gradient_float8=E4M3):
     """einsum on per-device blocks. A contracted dimension that is sharded leaves a partial sum
     (unreduced) that the caller reduces with psum or psum_scatter. Accumulates in float32 by
     default: bf16 operands with f32 results are the fast and accurate path.
@@ -251,8 +251,9 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
     the rounding is the identity and the gradient is autodiff's.
 
     multiply_in="float8" (model.matmul_dtype; two operands, float32 output): the operands, in any
-    float type, are multiplied as e4m3 and the output's gradient as e5m2, each scaled by its amax
-    (float8.py); the gradients come back in the operands' types. The first operand (the activations, in
+    float type, are multiplied as e4m3 and the output's gradient as `gradient_float8` (e4m3, or e5m2 for a
+    gradient whose values span more than e4m3's range: the logits'), each scaled by its amax (float8.py); the
+    gradients come back in the operands' types. The first operand (the activations, in
     train.py) is kept for the backward pass as its e4m3 cast, under FLOAT8_OPERAND_NAME; the second (a weight)
     is cast again there. `first_amax`, a bound on the first operand's magnitude known before it is computed,
     gives that operand's scale instead of its own amax (float8.scaled); `gradient_amax`, a bound on the output's
@@ -298,8 +299,12 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
     # Both operands vary over the same mesh axes before the custom gradient (check_vma): the
     # gradient of one made varying is then summed over those axes by autodiff, as for jnp.einsum.
     a, b = (_varying(x, _varying_axes(operands[0]) | _varying_axes(operands[1])) for x in operands)
+    if float8 and jnp.dtype(gradient_float8) not in (jnp.dtype(E4M3), jnp.dtype(E5M2)):
+        raise SpecError(f"{op}: gradient_float8 must be e4m3 or e5m2 (what GPUs multiply by e4m3), "
+                        f"not {jnp.dtype(gradient_float8)} (spec {spec!r})")
     bounds = (first_amax, gradient_amax) if float8 else (None, None)
-    return _einsum_pair(a, b, bounds, plain, jnp.dtype(preferred_element_type), float8)
+    return _einsum_pair(a, b, bounds, plain, jnp.dtype(preferred_element_type),
+                        jnp.dtype(gradient_float8) if float8 else None)
 
 
 def _varying_axes(x) -> frozenset:
@@ -339,13 +344,14 @@ FLOAT8_OPERAND_NAME = "seqax_float8_operand"
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _einsum_pair(a, b, bounds, plain: str, out_dtype, float8: bool):
-    """`bounds`: (a bound on |a|, a bound on the output's gradient), each None where the amax is to be taken."""
-    return _einsum_pair_forward(a, b, bounds, plain, out_dtype, float8)[0]
+def _einsum_pair(a, b, bounds, plain: str, out_dtype, gradient_float8):
+    """`bounds`: (a bound on |a|, a bound on the output's gradient), each None where the amax is to be taken.
+    `gradient_float8`: the float8 type of the output's gradient, None where nothing is multiplied in float8."""
+    return _einsum_pair_forward(a, b, bounds, plain, out_dtype, gradient_float8)[0]
 
 
-def _einsum_pair_forward(a, b, bounds, plain, out_dtype, float8):
-    if not float8:
+def _einsum_pair_forward(a, b, bounds, plain, out_dtype, gradient_float8):
+    if gradient_float8 is None:
         return jnp.einsum(plain, a, b, preferred_element_type=out_dtype), (a, b, bounds)
     # The first operand (train.py's activations) is kept as its cast, half a bfloat16's bytes: the backward
     # multiplies the same float8 values without casting them again. The second (a weight, gathered again under
@@ -356,15 +362,15 @@ def _einsum_pair_forward(a, b, bounds, plain, out_dtype, float8):
     return out, (*kept, b, jnp.zeros((0,), a.dtype), bounds)  # the fourth: a's type (for its gradient's), no values
 
 
-def _einsum_pair_backward(plain, out_dtype, float8, residuals, cotangent):
+def _einsum_pair_backward(plain, out_dtype, gradient_float8, residuals, cotangent):
     (a_letters, b_letters), out_letters = plain.split("->")[0].split(","), plain.split("->")[1]
     *residuals, bounds = residuals
     no_bound_gradient = jax.tree.map(jnp.zeros_like, bounds)  # bounds, not functions of a or b
-    if float8:  # the output's gradient rounded to the operands' type first, so that it is written at their width
+    if gradient_float8 is not None:  # the output's gradient rounded to the operands' type first: written at their width
         qa, a_inverse, b, a_type = residuals
         a = jax.ShapeDtypeStruct(qa.shape, a_type.dtype)
         g = cotangent.astype(jnp.promote_types(a.dtype, b.dtype))
-        (g, g_inverse), (qb, b_inverse) = scaled(g, E5M2, bounds[1]), scaled(b, E4M3)
+        (g, g_inverse), (qb, b_inverse) = scaled(g, gradient_float8, bounds[1]), scaled(b, E4M3)
         return (_einsum_gradient(g, out_letters, qb, b_letters, a, a_letters, g_inverse * b_inverse),
                 _einsum_gradient(g, out_letters, qa, a_letters, b, b_letters, g_inverse * a_inverse), no_bound_gradient)
     a, b = residuals
