@@ -83,11 +83,10 @@ class ModelConfig:
     # to compare them), "blockwise" or "reference" (readable, autodiff's gradient, slow; README)
     attention_kernel: str = "auto"
     # the type matmuls multiply in (products accumulate in float32): "bfloat16", the fast path on every
-    # accelerator; "float8", the linear layers', experts' and unembedding's matmuls in e4m3 (their gradients' in
-    # e5m2), each operand scaled by its amax or a bound on it (shardlib/float8.py; twice bfloat16's rate on Hopper
-    # and Blackwell), their operands
-    # kept and sent as bfloat16, every other matmul in bfloat16; or "float32", exact up to the order of
-    # sums (the tests check the math that way)
+    # accelerator; "float8", the linear layers', experts' and unembedding's matmuls in e4m3 (their output
+    # gradients too, the logits' in e5m2), each operand scaled by its amax or a bound on it (shardlib/float8.py;
+    # twice bfloat16's rate on Hopper and Blackwell), their operands kept and sent as bfloat16, every other
+    # matmul in bfloat16; or "float32", exact up to the order of sums (the tests check the math that way)
     matmul_dtype: str = "bfloat16"
     # A mixture of experts beside the dense SwiGLU of d_ff (README, "Mixture of experts"): each token goes
     # through the experts_per_token of `experts` SwiGLU experts of expert_d_ff that its router picks. 0
