@@ -363,7 +363,7 @@ def output_logits(arch: ModelConfig, w: Model, x, logit_gradient_bound=None):
     nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, arch.norm_eps).astype(arch.operand_dtype)
     unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.operand_dtype)
     # float8: the logits' gradient (softmax - one-hot) is mostly the softmax's tail, far below its bound: e5m2
-    # holds values down to 2^-31.8 of the bound, where e4m3 (the layers' gradients) flushes those under 2^-17.8.
+    # holds values down to about 2^-31.8 of the bound, e4m3 (the layers' gradients) only to about 2^-17.8.
     return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed, multiply_in=arch.matmul_dtype,
                             first_amax=rms_norm_bound(w.final_norm), gradient_amax=logit_gradient_bound,
                             gradient_float8=E5M2)

@@ -8,12 +8,12 @@ magnitude it holds now (its amax: "current" scaling, no history kept across step
 lands just under the type's largest value, and the product of two scaled operands, accumulated in
 float32, is multiplied by both inverse scales. The forward's operands go to e4m3 (precision), and so,
 by default, does the gradient of a matmul's output: e4m3's rounding is half e5m2's, and the range below
-a tensor's amax that it keeps (2^-17.8 of it) holds the layers' gradients (on local_test_text, with them
-in e4m3 float8 trained within 0.6% of bfloat16 on four seeds, with them in e5m2 up to 1.1% above it:
-docs/performance.md). The exception is the logits' gradient, mostly a softmax's tail far below its largest value: e5m2, whose range
-keeps 2^-31.8 of the amax (train.output_logits, einsum_unreduced's gradient_float8). GPUs multiply
-e4m3 x e4m3 and e4m3 x e5m2, not e5m2 x e5m2: the backward's matmuls multiply the gradient by the
-forward's e4m3 operands.
+a tensor's scaled amax that it keeps (about 2^-17.8 of it) holds the layers' gradients (on local_test_text,
+with them in e4m3 float8 trained within 0.6% of bfloat16 on four seeds, with them in e5m2 up to 1.1% above
+it: docs/performance.md). The exception is the logits' gradient, mostly a softmax's tail far below its
+largest value: e5m2, whose range keeps about 2^-31.8 of it (train.output_logits, einsum_unreduced's
+gradient_float8). cuBLASLt's float8 GEMMs (what XLA calls on GPUs) multiply e4m3 x e4m3 and e4m3 x e5m2,
+not e5m2 x e5m2: the backward's matmuls multiply the gradient by the forward's e4m3 operands.
 
 grouped_swiglu (the experts) casts the same way, each expert's weights once and each block of rows on its
 own (`operand`, `matmul`).

@@ -300,7 +300,7 @@ def einsum_unreduced(spec: str, *operands, preferred_element_type=jnp.float32, m
     # gradient of one made varying is then summed over those axes by autodiff, as for jnp.einsum.
     a, b = (_varying(x, _varying_axes(operands[0]) | _varying_axes(operands[1])) for x in operands)
     if float8 and jnp.dtype(gradient_float8) not in (jnp.dtype(E4M3), jnp.dtype(E5M2)):
-        raise SpecError(f"{op}: gradient_float8 must be e4m3 or e5m2 (what GPUs multiply by e4m3), "
+        raise SpecError(f"{op}: gradient_float8 must be e4m3 or e5m2 (what float8 GEMMs multiply by e4m3), "
                         f"not {jnp.dtype(gradient_float8)} (spec {spec!r})")
     bounds = (first_amax, gradient_amax) if float8 else (None, None)
     return _einsum_pair(a, b, bounds, plain, jnp.dtype(preferred_element_type),
