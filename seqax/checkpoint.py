@@ -31,7 +31,7 @@ import numpy as np
 import zarr
 from jax.experimental import multihost_utils
 
-from seqax import sharded_zarr
+from seqax import run_lock, sharded_zarr
 from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError
 from seqax.console import warn
 
@@ -164,6 +164,7 @@ class Checkpointer:
                               f"and checkpoints.threads={cfg.threads} >= 1")
         self.directory, self.cfg, self.finite_only = directory, cfg, finite_only
         self._parent = _identity(os.path.dirname(directory))  # the run directory, if it exists yet
+        self._lock = run_lock.lock_identity(os.path.dirname(directory))  # a training run's lock, if it holds one
         self.process = jax.process_index()
         token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
         if jax.process_count() > 1:  # every process names this run's markers alike
@@ -367,6 +368,8 @@ class Checkpointer:
             try:
                 future.result()
             except OSError as e:  # a full disk, a quota, a lost mount: the user can fix these
+                if self._lock is not None:  # a run directory deleted under the write is the cause, not the file
+                    run_lock.check_in_place(os.path.dirname(self.directory), self._lock)
                 latest = self.latest_step()
                 kept = (f"checkpoint {latest} is the newest and intact" if latest is not None
                         else "no checkpoint was committed")

@@ -7,7 +7,8 @@ stays after the run, and an unlocked file means nothing. In a multi-process run 
 the lock and the others wait until it holds. Readers (sample.py, the export) take no lock.
 
 A lock on a file that is no longer `<run>/.lock` (the directory deleted, moved or replaced under the
-live run) guards nothing: RunRecords checks at every step that it still is (`check_in_place`).
+live run) guards nothing: RunRecords checks at every step that it still is (`check_in_place`), and
+the Checkpointer before it reports a failed write (the deletion, not the file it took, is the cause).
 """
 
 import contextlib

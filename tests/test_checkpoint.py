@@ -1,6 +1,7 @@
 """checkpoint.py: bitwise round trips (bf16 too) on any mesh and process count, damaged and
 uncommitted checkpoints, asynchronous saving, and real training runs killed and resumed."""
 
+import contextlib
 import errno
 import json
 import os
@@ -37,9 +38,9 @@ from fixtures import (
     tiny_overrides,
     train_args,
 )
-from seqax import checkpoint, sharded_zarr
+from seqax import checkpoint, run_lock, sharded_zarr
 from seqax.checkpoint import Checkpointer
-from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError
+from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError, OutputError
 from seqax.shardlib.shardtypes import make_shardings
 
 
@@ -313,40 +314,49 @@ def test_failed_background_write_stops_training(tmp_path, monkeypatch):
     assert checkpointer.latest_step() is None
 
 
+@pytest.mark.parametrize("locked", [False, True], ids=["a folder", "a locked run"])
 @pytest.mark.parametrize("when", ["checked", "its arrays are written"])
-def test_a_run_directory_deleted_during_a_save_is_not_made_again(tmp_path, monkeypatch, when):
+def test_a_run_directory_deleted_during_a_save_is_not_made_again(tmp_path, monkeypatch, when, locked):
     """The run directory removed (rm -rf) while a checkpoint is saved: just after the save checked that it is
     the run's, or once the checkpoint's arrays are written (before the commit). The save fails in one line
     naming what is missing, and nothing under the run directory is made again. (The save made the folder of
     checkpoints with makedirs, and with it the run directory: a run directory deleted under a live run came
     back with a checkpoint in it, now and then, in test_run_lock's end-to-end test. The commit is written
-    by this module too, not zarr's store, which makes every missing folder above a file it writes.)"""
+    by this module too, not zarr's store, which makes every missing folder above a file it writes.)
+    A training run's directory (it holds the run's lock) says that the directory went, as the run's step
+    check does: the file the write lost is not the cause to fix (it said 'fix the cause and run the same
+    command again', now and then, in test_run_lock's end-to-end test, when the write failed first)."""
     run = tmp_path / "run"
     run.mkdir()
-    checkpointer = Checkpointer(str(run / "checkpoints"), checkpoint_config())
-    if when == "checked":
-        identity = checkpoint._identity
+    with contextlib.ExitStack() as held:
+        if locked:
+            held.enter_context(run_lock.hold(str(run)))
+        checkpointer = Checkpointer(str(run / "checkpoints"), checkpoint_config())
+        if when == "checked":
+            identity = checkpoint._identity
 
-        def identity_then_delete(path):
-            found = identity(path)
-            if os.fspath(path) == str(run):
-                shutil.rmtree(run)
-            return found
+            def identity_then_delete(path):
+                found = identity(path)
+                if os.fspath(path) == str(run):
+                    shutil.rmtree(run)
+                return found
 
-        monkeypatch.setattr(checkpoint, "_identity", identity_then_delete)
-    else:
-        wait_for = Checkpointer._wait
+            monkeypatch.setattr(checkpoint, "_identity", identity_then_delete)
+        else:
+            wait_for = Checkpointer._wait
 
-        def wait(self, condition, step, what):
-            wait_for(self, condition, step, what)
-            if what.startswith("every process to write"):
-                shutil.rmtree(run)
+            def wait(self, condition, step, what):
+                wait_for(self, condition, step, what)
+                if what.startswith("every process to write"):
+                    shutil.rmtree(run)
 
-        monkeypatch.setattr(Checkpointer, "_wait", wait)
-    checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
-    with pytest.raises(CheckpointError, match=r"failed: .*; no checkpoint was committed; fix the cause"):
-        checkpointer.wait()
-    checkpointer.close()
+            monkeypatch.setattr(Checkpointer, "_wait", wait)
+        checkpointer.save(1, put(sample_values(), make_mesh(4, 2)))
+        deleted = re.escape(f"the run directory '{run}' was deleted, moved or replaced while this run was writing it")
+        with pytest.raises(OutputError if locked else CheckpointError,
+                           match=deleted if locked else r"failed: .*; no checkpoint was committed; fix the cause"):
+            checkpointer.wait()
+        checkpointer.close()
     assert not run.exists()
 
 
