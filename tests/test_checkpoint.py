@@ -328,9 +328,7 @@ def test_a_run_directory_deleted_during_a_save_is_not_made_again(tmp_path, monke
     command again', now and then, in test_run_lock's end-to-end test, when the write failed first)."""
     run = tmp_path / "run"
     run.mkdir()
-    with contextlib.ExitStack() as held:
-        if locked:
-            held.enter_context(run_lock.hold(str(run)))
+    with run_lock.hold(str(run)) if locked else contextlib.nullcontext():
         checkpointer = Checkpointer(str(run / "checkpoints"), checkpoint_config())
         if when == "checked":
             identity = checkpoint._identity
