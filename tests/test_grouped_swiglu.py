@@ -92,6 +92,7 @@ def test_bad_shapes_are_one_line():
         grouped_swiglu(x, jnp.zeros((2, 3), jnp.int32), gate_w, up_w, down_w[:, :, :5], jnp.zeros(4, jnp.int32), 1)
 
 
+@pytest.mark.slow
 def test_float8_is_within_float8s_rounding_on_operands_e4m3_cannot_hold_unscaled():
     """multiply_in="float8": rows of 1e3 (e4m3's largest is 448), weights of 1e-4 and an output gradient of 1e-6
     (below e4m3's smallest value): unscaled, the casts give NaN and zeros. Scaled, the output and every

@@ -280,6 +280,7 @@ def test_training_step_reports_reference_loss_and_grad_norm(problem):
     assert not np.array_equal(np.asarray(new_state.weights.embed), weights.embed)
 
 
+@pytest.mark.slow
 def test_every_matmul_of_the_training_step_has_bf16_operands():
     """The forward's matmuls and both gradients of each (einsum_unreduced's backward) run with
     bf16 operands and f32 results: no float32 matmul anywhere in the compiled step, which

@@ -112,6 +112,7 @@ def problem():
     return cfg, weights, batch, reference_of(cfg, weights, batch, 0.3)
 
 
+@pytest.mark.slow
 def test_the_dispatch_computes_every_chosen_expert_of_every_token():
     """experts_block alone on one device (float32), against NumPy's statement: each token's chosen
     experts (top k of sigmoid score + bias), each one's SwiGLU, weighed by its normalized score; with
@@ -160,6 +161,7 @@ def test_float32_loss_loads_balance_and_gradients_equal_every_expert_on_every_to
     assert_equals_reference(*problem, make_mesh(d, t, c), balance_weight=0.3)
 
 
+@pytest.mark.slow
 def test_float8_experts_are_within_float8s_rounding_of_exact():
     """model.matmul_dtype=float8 with the experts and no dense SwiGLU (d_ff 0: its weights are empty, which a
     float8 cast must take) on a 4x2 mesh: the loss and every gradient against the float32 model, as

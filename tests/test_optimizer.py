@@ -305,6 +305,7 @@ def test_clipping_scales_the_gradient_to_at_most_the_clip_norm_keeping_its_direc
         np.testing.assert_allclose(used[k], x * min(1.0, 1.0 / max(norm_factor, 1e-30)), rtol=1e-5, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_clipping_uses_the_norm_it_is_given():
     """The step clips by the global norm passed in (summed over every device's shards), not by
     the norm of the leaves it sees: a gradient of norm 1 reported as 4 is used at a quarter."""
