@@ -1,10 +1,11 @@
-"""MaxText's training step compiled for a TPU slice that is not here and priced by our roofline exactly as
+"""MaxText's training step compiled for a TPU slice or GPUs that are not here and priced by our roofline exactly as
 bench/compile_for.py prices ours: the anchor that holds our TPU cost model to published measurements, and
 the step ours is compared with (docs/roofline.md, "Calibrated on TPUs").
 
     make compilers maxtext    # once: .venv-compilers (ours) and .venv-maxtext (MaxText's, bench/maxtext/)
     .venv-compilers/bin/python -m bench.maxtext_anchor --recipe llama3.1-8b-v6e-256 [llama2-70b-v5p-512]
     .venv-compilers/bin/python -m bench.maxtext_anchor --config tpu8_1b [--target v6e] [--ours]
+    .venv-compilers/bin/python -m bench.maxtext_anchor --config gpu1_1b --target h200 --ours
 
 --recipe compiles one of MaxText's published recipes (RECIPES: its settings and libtpu flags, the
 measured MFU and tokens/s it published) and prints the roofline beside the measurement: the roofline's step
@@ -17,10 +18,16 @@ MaxText's compile runs in .venv-maxtext (bench/maxtext/compile_maxtext.py: MaxTe
 Compiles are kept under --out and reused when their settings and flags are the same (an 8B recipe
 compiles for several minutes on 2 cores).
 
-MaxText's attention is Pallas (splash attention), whose HLO is opaque to the roofline: as our kernels
-state their work (roofline.stated_flops), each splash call is priced at the matmul FLOPs of the block
-pairs it visits under its causal mask (its block sizes are in its kernel metadata), with the same count
-of matmuls a pair as our kernels: forward 2, dK and dV 4 (5 when the backward is fused), dQ 3.
+MaxText's attention is Pallas, whose HLO is opaque to the roofline: on a TPU splash attention, on a GPU
+(attention=flash) tokamax's Triton kernels. As our kernels state their work (roofline.stated_flops), each
+call is priced at the matmul FLOPs of the block pairs it visits under its causal mask (its block sizes are in
+its kernel metadata), with the same count of matmuls a pair as our kernels: forward 2, dK and dV 4 (5 when
+splash's backward is fused), dQ 3; tokamax's backward is one kernel that does the dK/dV pass and the dQ pass,
+each over its own blocks (4 + 3 matmuls a pair).
+
+On a GPU, MaxText compiles for the devices of the machine it runs on; compile_maxtext.py gives it a CUDA
+topology of the target instead (the same description bench/compile_for.py compiles ours for). MaxText runs
+jax 0.11.1 with its CUDA plugin, ours 0.10.2: two XLA versions, each the one its code is released with.
 """
 
 import os
@@ -111,13 +118,29 @@ RECIPES = {
 
 
 def topology_name(target: Target, chips: int) -> str:
-    """MaxText's compile_topology for `chips` chips: v5p slices are named by TensorCores (2 a chip)."""
+    """MaxText's compile_topology for `chips` chips: v5p slices are named by TensorCores (2 a chip); GPUs by
+    JAX's CUDA topology (hosts x devices)."""
+    if target.platform == "cuda":
+        return target.topology(chips)[0]
     return f"{target.name}-{chips * 2 if target.name == 'v5p' else chips}"
+
+
+def target_settings(out: str, target: Target, chips: int) -> list[str]:
+    """compile_maxtext.py's arguments that name the target: a TPU slice by MaxText's topology name; GPUs by
+    a CUDA topology (the description written beside `out`) that MaxText's internal_compile takes for its
+    devices (its a3 names an 8-GPU host, whose size would set the batch)."""
+    if target.platform == "tpu":
+        return [f"compile_topology={topology_name(target, chips)}"]
+    description = out + ".gpu_target_config.txtpb"
+    with open(description, "w") as f:
+        f.write(target.gpu_target_config())
+    return ["--gpu", target.name, topology_name(target, chips), description, "compile_topology=a3",
+            "internal_compile=True", f"internal_compile_num_devices={chips}", "hardware=gpu"]
 
 
 def compile_maxtext(out: str, target: Target, chips: int, settings: list[str], flags: str) -> dict:
     """MaxText's step compiled (or the compile kept at `out` with the same settings and flags): its facts."""
-    settings = [f"compile_topology={topology_name(target, chips)}", "compile_topology_num_slices=1", *settings,
+    settings = [*target_settings(out, target, chips), "compile_topology_num_slices=1", *settings,
                 f"run_name={os.path.basename(out)}", f"base_output_directory={os.path.dirname(out)}/maxtext_out"]
     if os.path.exists(out + ".json") and os.path.exists(out + ".hlo.txt"):
         with open(out + ".json") as f:
@@ -128,7 +151,9 @@ def compile_maxtext(out: str, target: Target, chips: int, settings: list[str], f
         sys.exit("bench.maxtext_anchor: error: MaxText's venv is missing: run `make maxtext` (bench/maxtext/setup.sh)")
     # Nothing of this process's JAX: importing it set TPU_LIBRARY_PATH to our libtpu, which MaxText's jax would load.
     env = {name: value for name, value in os.environ.items() if not name.startswith(("TPU_", "JAX_", "XLA_", "LIBTPU"))}
-    env.update(LIBTPU_INIT_ARGS=flags, TPU_ACCELERATOR_TYPE=topology_name(target, chips), JAX_PLATFORMS="cpu")
+    env.update(LIBTPU_INIT_ARGS=flags, JAX_PLATFORMS="cpu")
+    if target.platform == "tpu":
+        env.update(TPU_ACCELERATOR_TYPE=topology_name(target, chips))
     print(f"compiling MaxText's step for {chips} x {target.name} ({topology_name(target, chips)})...", flush=True)
     result = subprocess.run([MAXTEXT_PYTHON, COMPILE_MAXTEXT, out, *settings], env=env, capture_output=True,
                             text=True)
@@ -163,14 +188,50 @@ def splash_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> int | None
     return math.ceil(batch * heads * pairs * matmuls * 2 * block_q * block_k * depth)
 
 
+def causal_block_pairs(length: int, block_q: int, block_k: int) -> int:
+    """Block pairs of `block_q` queries and `block_k` keys over the same `length` positions that hold a
+    position on or below the diagonal (all a causal kernel visits; causal_pairs when the blocks are square)."""
+    keys = math.ceil(length / block_k)
+    return sum(min(keys, math.ceil((i + 1) * block_q / block_k)) for i in range(math.ceil(length / block_q)))
+
+
+# tokamax's Pallas Triton attention (MaxText's attention=flash on a GPU), by its op's class: each pass over
+# block pairs as (its query block's key, its key block's key, matmuls a visited pair and query head).
+TOKAMAX = {"PallasTritonFlashAttention": (("block_q", "block_k", 2),),
+           "PallasTritonFlashAttentionVjp": (("block_m1", "block_n1", 4), ("block_m2", "block_n2", 3))}
+_TOKAMAX_PAYLOAD = re.compile(r'metadata_payload="tokamax:((?:[^"\\]|\\.)*)"')
+
+
+def tokamax_flops(inst: hlo.Instruction) -> int | None:
+    """The matmul FLOPs of one tokamax Triton attention call (None if `inst` is not one), from the op and
+    arguments it records: q [B, L, Hq, D], k [B, S, Hkv, D], causal over the same positions."""
+    payload = _TOKAMAX_PAYLOAD.search(inst.attributes)
+    if inst.opcode != "custom-call" or payload is None:
+        return None
+    op = json.loads(payload.group(1).replace('\\"', '"'))
+    passes = TOKAMAX.get(op["op"]["__type"].rsplit(".", 1)[-1])
+    if passes is None:
+        return None
+    config, arguments = op["op"]["config"], op["arguments"]
+    (batch, length, heads, depth), (_, keys, _, _) = (hlo.arrays(arguments[x])[0][1] for x in ("q", "k"))
+    mask = arguments.get("mask") or {}
+    if length != keys or not mask.get("causal_mask") or mask["causal_mask"].get("offset", 0) != 0:
+        raise ValueError(f"{inst.name}: tokamax attention priced here only causal over its own positions")
+    return sum(batch * heads * causal_block_pairs(length, config[q], config[k]) * matmuls * 2 * config[q]
+               * config[k] * depth for q, k, matmuls in passes)
+
+
 def state_splash_flops(hlo_text: str) -> tuple[str, int]:
-    """The HLO with each splash call's FLOPs stated in its op_name, as our kernels state theirs; how many."""
+    """The HLO with each attention call's FLOPs (splash's, tokamax's) stated in its op_name, as our kernels
+    state theirs; how many."""
     module = hlo.parse_module(hlo_text)
     stated = {}
     for computation in module.computations.values():
         shapes = {i.name: i.shape for i in computation.instructions}
         for inst in computation.instructions:
             flops = splash_flops(inst, [shapes.get(o, "") for o in inst.operands])
+            if flops is None:
+                flops = tokamax_flops(inst)
             if flops is not None:
                 stated[inst.name] = flops
     pieces, done = [], 0
@@ -187,7 +248,7 @@ def category(kernel: roofline.Kernel) -> str:
         return "communication (exposed)"
     if not kernel.computes:
         return "transfers (exposed)"
-    if "splash" in kernel.op_name or "splash" in kernel.name:
+    if "splash" in kernel.op_name or "splash" in kernel.name or "pallas_flash_attention" in kernel.op_name:
         return "attention"
     return "matmuls" if kernel.kind == "matmul" else "elementwise, norms, converts"
 
@@ -211,7 +272,7 @@ def price(hlo_text: str, target: Target, tokens_per_chip: int) -> dict:
 
 def describe(title: str, row: dict) -> str:
     lines = [title, f"  roofline: step {row['step_seconds'] * 1e3:,.1f} ms ({row['hlo_matmul_tflop_per_device']:.1f} "
-             f"TFLOP of matmuls a chip, {row['splash_calls']} splash attention calls priced at their blocks' FLOPs); "
+             f"TFLOP of matmuls a chip, {row['splash_calls']} attention kernel calls priced at their blocks' FLOPs); "
              f"collectives {row['collectives_per_step']:,.0f} a step, {row['asynchronous_collectives']:,.0f} "
              "asynchronous"]
     lines += [f"    {kind:<30} {seconds * 1e3:10.1f} ms {seconds / row['step_seconds']:6.1%}"
@@ -254,7 +315,8 @@ def config_settings(cfg, chips: int) -> list[str]:
             f"ici_tensor_parallelism={cfg.mesh.t}", "attention=flash", *SYNTHETIC]
 
 
-def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_flags: bool, overrides: list[str]) -> dict:
+def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_flags: bool, remat: str,
+               overrides: list[str]) -> dict:
     from seqax.config import load_config  # our config, for its shapes only
 
     cfg = load_config(config, overrides + ["+paths.model_name=maxtext_anchor"])
@@ -262,15 +324,23 @@ def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_fla
     if cfg.mesh.c != 1:
         sys.exit("bench.maxtext_anchor: error: MaxText's shape of a context-parallel mesh is not written here (c=1)")
     tokens_per_chip = cfg.training.tokens.batch * cfg.training.tokens.len // chips
-    out = os.path.join(out_dir, f"{config}-{target.name}{'-recipe-flags' if recipe_flags else ''}")
+    if recipe_flags and target.name not in FLAGS:
+        sys.exit(f"bench.maxtext_anchor: error: no recipe's flags for {target.name} here (recipes: {sorted(FLAGS)})")
+    out = os.path.join(out_dir, f"{config}-{target.name}-{remat}{'-recipe-flags' if recipe_flags else ''}")
     flags = FLAGS[target.name] if recipe_flags else ""
-    facts = compile_maxtext(out, target, chips, config_settings(cfg, chips) + [f"remat_policy={REMAT}"], flags)
+    facts = compile_maxtext(out, target, chips, config_settings(cfg, chips) + [f"remat_policy={remat}"], flags)
     with open(out + ".hlo.txt") as f:
         row = price(f.read(), target, tokens_per_chip)
     row.update(config=config, target=target.name, compile_s=facts["compile_s"], memory=facts["memory"])
-    title = (f"MaxText at {config}'s shape on {chips} x {target.name}, libtpu flags: "
+    title = (f"MaxText at {config}'s shape on {chips} x {target.name}, remat_policy={remat}, "
+             f"{'libtpu' if target.platform == 'tpu' else 'XLA'} flags: "
              f"{'its recipe' if recipe_flags else 'none'}; compiled in {facts['compile_s']:.0f} s")
+    memory = facts["memory"]
+    row["memory_gib"] = (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
+                         - memory["alias_size_in_bytes"] + memory["temp_size_in_bytes"]) / 2**30
     print(describe(title, row), flush=True)
+    print(f"  memory per device (its compiler's plan): {row['memory_gib']:.1f} GiB of "
+          f"{target.memory_bytes / 2**30:.1f}", flush=True)
     if ours:
         from bench.compile_for import compile_for, report  # our step, in this venv's compilers
 
@@ -285,15 +355,17 @@ def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_fla
     return row
 
 
-REMAT = "full"  # --config: MaxText's default policy (recompute each layer's forward in its backward)
+# --config's default remat_policy: MaxText's own default (recompute each layer's forward in its backward).
+# Others of its policies (--remat): minimal, save_qkv_proj, save_dot_except_mlp, ... (its base.yml lists them).
+REMAT = "full"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", nargs="+", choices=sorted(RECIPES), default=[], help="published recipes")
     parser.add_argument("--config", nargs="+", default=[], help="our configs: MaxText's step at their shapes")
-    parser.add_argument("--target", default="v6e", choices=sorted(t for t in TARGETS if TARGETS[t].platform == "tpu"),
-                        help="--config's target (default v6e)")
+    parser.add_argument("--target", default="v6e", choices=sorted(TARGETS), help="--config's target (default v6e)")
+    parser.add_argument("--remat", default=REMAT, help=f"--config's MaxText remat_policy (default {REMAT})")
     parser.add_argument("--ours", action="store_true", help="compile our step beside each --config's")
     parser.add_argument("--recipe-flags", action="store_true",
                         help="compile --config's MaxText step with its target's recipe's libtpu flags (default: none)")
@@ -306,7 +378,8 @@ def main(argv=None):
         parser.error("name at least one --recipe or --config")
     os.makedirs(args.out, exist_ok=True)
     rows = [run_recipe(name, args.out) for name in args.recipe]
-    rows += [run_config(config, TARGETS[args.target], args.out, args.ours, args.recipe_flags, args.overrides)
+    rows += [run_config(config, TARGETS[args.target], args.out, args.ours, args.recipe_flags, args.remat,
+                        args.overrides)
              for config in args.config]
     if args.json:
         with open(args.json, "w") as f:

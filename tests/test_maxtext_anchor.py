@@ -1,7 +1,9 @@
 """bench/maxtext_anchor.py's pricing of MaxText's program, on hand-built HLO (MaxText's own compile needs
-.venv-maxtext, `make maxtext`, and minutes: not in the suite): a splash attention call costs the matmul FLOPs
-of the block pairs its causal mask visits, as our kernels state theirs; our configs' shapes become MaxText's
-settings; v5p slices are named by their TensorCores."""
+.venv-maxtext, `make maxtext`, and minutes: not in the suite): a splash attention call (TPU) and a tokamax Triton
+call (GPU) cost the matmul FLOPs of the block pairs their causal masks visit, as our kernels state theirs; our
+configs' shapes become MaxText's settings; v5p slices are named by their TensorCores, GPUs by our CUDA topology."""
+
+import json
 
 import pytest
 
@@ -69,3 +71,60 @@ def test_a_v5p_slice_is_named_by_its_tensorcores():
     assert maxtext_anchor.topology_name(TARGETS["v6e"], 256) == "v6e-256"
     recipe = maxtext_anchor.RECIPES["llama3.1-8b-v6e-256"]
     assert recipe.measured_step_seconds == pytest.approx(4 * 8192 / 7207)
+
+
+def tokamax_call(name: str, kind: str, config: dict, causal: bool = True) -> str:
+    """A tokamax Triton attention call as MaxText's GPU compile writes it (abridged): q [B, L, Hq, D], k and v
+    [B, S, Hkv, D]; the op, its blocks and its arguments' shapes in the call's metadata_payload."""
+    op = {"op": {"__type": f"tokamax._src.ops.attention.pallas_triton.{kind}", "config": config},
+          "arguments": {"q": "bf16[2,4096,16,128]", "k": "bf16[2,4096,4,128]", "v": "bf16[2,4096,4,128]",
+                        "mask": {"bool_mask": "bool[2,1,4096,4096]",
+                                 "causal_mask": {"offset": 0, "window_size": None} if causal else None}}}
+    payload = json.dumps(op).replace('"', '\\"')
+    return (f"  %{name} = bf16[2,4096,16,128]{{3,2,1,0}} custom-call(%q, %k, %v), "
+            'custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp()/'
+            f'vmap(pallas_flash_attention)/pallas_call" metadata_payload="tokamax:{payload}"}}\n')
+
+
+def tokamax_module(causal: bool = True) -> str:
+    return ("HloModule m\n\nENTRY %main (q: bf16[2,4096,16,128], k: bf16[2,4096,4,128], v: bf16[2,4096,4,128]) "
+            "-> bf16[2,4096,16,128] {\n"
+            "  %q = bf16[2,4096,16,128]{3,2,1,0} parameter(0)\n"
+            "  %k = bf16[2,4096,4,128]{3,2,1,0} parameter(1)\n"
+            "  %v = bf16[2,4096,4,128]{3,2,1,0} parameter(2)\n"
+            + tokamax_call("forward.1", "PallasTritonFlashAttention", {"block_q": 64, "block_k": 64}, causal)
+            + "  ROOT" + tokamax_call("backward.2", "PallasTritonFlashAttentionVjp",
+                                      {"block_m1": 32, "block_n1": 64, "block_m2": 64, "block_n2": 32}, causal)[1:]
+            + "}\n")
+
+
+def test_a_tokamax_call_costs_the_block_pairs_its_causal_mask_visits():
+    """MaxText's attention on a GPU: the forward 2 matmuls a visited pair and query head over its 64 x 64 blocks
+    (64 x 65 / 2 pairs on and below the diagonal of 4096 positions); the backward, one kernel, a dK/dV pass of
+    4 matmuls over 32 x 64 blocks and a dQ pass of 3 over 64 x 32 (each visits 4160 pairs: a block row of 32
+    queries reaches ceil((i + 1) / 2) blocks of 64 keys)."""
+    text, calls = maxtext_anchor.state_splash_flops(tokamax_module())
+    model = roofline.roofline(text, TARGETS["h200"].rates())
+    by_name = {k.name: k for k in model.kernels}
+    forward, backward = by_name["forward.1"], by_name["backward.2"]
+    per_pair = 2 * 16 * 2 * 128  # batch x query heads x 2 FLOPs a multiply-add x D
+    assert calls == 2 and forward.kind == backward.kind == "matmul"
+    assert maxtext_anchor.category(forward) == maxtext_anchor.category(backward) == "attention"
+    assert forward.flops == per_pair * 2080 * 2 * 64 * 64
+    assert backward.flops == per_pair * 4160 * (4 * 32 * 64 + 3 * 64 * 32)
+    assert maxtext_anchor.causal_block_pairs(4096, 64, 64) == causal_pairs(64, 64) == 2080
+
+
+def test_a_tokamax_call_without_a_causal_mask_is_refused():
+    with pytest.raises(ValueError, match="only causal"):
+        maxtext_anchor.state_splash_flops(tokamax_module(causal=False))
+
+
+def test_maxtexts_gpu_compile_takes_the_targets_cuda_topology(tmp_path):
+    """On a GPU MaxText compiles for the CUDA topology of our target (its description written beside the
+    compile), as many devices as our config's mesh, not its a3 host of 8 (which would set the batch)."""
+    settings = maxtext_anchor.target_settings(str(tmp_path / "gpu1_1b-h200"), TARGETS["h200"], 1)
+    assert settings[:4] == ["--gpu", "h200", "1x1x1", str(tmp_path / "gpu1_1b-h200.gpu_target_config.txtpb")]
+    assert "internal_compile_num_devices=1" in settings and "hardware=gpu" in settings
+    assert (tmp_path / "gpu1_1b-h200.gpu_target_config.txtpb").read_text() == TARGETS["h200"].gpu_target_config()
+    assert maxtext_anchor.target_settings(str(tmp_path / "x"), TARGETS["v5p"], 256) == ["compile_topology=v5p-512"]
