@@ -10,8 +10,9 @@ the step ours is compared with (docs/roofline.md, "Calibrated on TPUs").
 --recipe compiles one of MaxText's published recipes (RECIPES: its settings and libtpu flags, the
 measured MFU and tokens/s it published) and prints the roofline beside the measurement: the roofline's step
 must not be longer than the measured one (its MFU ceiling at least the measured MFU). --config compiles
-MaxText's step at one of our configs' shapes (model, sequence length, batch per chip, chips) with the
-target's recipe flags, and with --ours compiles ours beside it (bench/compile_for.py) and prints the ratio.
+MaxText's step at one of our configs' shapes (model, sequence length, batch per chip, chips), with its default
+remat policy and no compiler flags unless --remat and --recipe-flags (a TPU recipe's libtpu flags) say
+otherwise, and with --ours compiles ours beside it (bench/compile_for.py) and prints the ratio.
 
 MaxText's compile runs in .venv-maxtext (bench/maxtext/compile_maxtext.py: MaxText 0.2.5 needs Python
 >= 3.12, jax 0.11.1, libtpu 0.0.46.3) and writes its optimized HLO; this script, in our venv, prices it.
