@@ -45,7 +45,6 @@ import sys  # noqa: E402
 
 from seqax.analysis import hlo, roofline  # noqa: E402
 from seqax.analysis.targets import TARGETS, Target  # noqa: E402
-from seqax.kernels.flash_blocks import causal_pairs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAXTEXT_PYTHON = os.path.join(ROOT, ".venv-maxtext", "bin", "python")
@@ -185,13 +184,14 @@ def splash_flops(inst: hlo.Instruction, operand_shapes: list[str]) -> int | None
     four_d = [dims for shape in operand_shapes for _, dims in hlo.arrays(shape)[:1] if len(dims) == 4]
     (batch, heads, length, depth), (_, _, keys, _) = four_d[:2]
     block_q, block_k = min(int(metadata[q_key]), length), min(int(metadata[k_key]), keys)
-    pairs = causal_pairs(length // block_q, keys // block_k)
+    pairs = causal_block_pairs(length, block_q, block_k)
     return math.ceil(batch * heads * pairs * matmuls * 2 * block_q * block_k * depth)
 
 
 def causal_block_pairs(length: int, block_q: int, block_k: int) -> int:
     """Block pairs of `block_q` queries and `block_k` keys over the same `length` positions that hold a
-    position on or below the diagonal (all a causal kernel visits; causal_pairs when the blocks are square)."""
+    position on or below the diagonal: all a causal kernel visits (flash_blocks.causal_pairs when the blocks are
+    square; with blocks of 1024 queries and 512 keys over 4096 positions 20 pairs, where that formula gives 18)."""
     keys = math.ceil(length / block_k)
     return sum(min(keys, math.ceil((i + 1) * block_q / block_k)) for i in range(math.ceil(length / block_q)))
 
@@ -222,7 +222,7 @@ def tokamax_flops(inst: hlo.Instruction) -> int | None:
                * config[k] * depth for q, k, matmuls in passes)
 
 
-def state_splash_flops(hlo_text: str) -> tuple[str, int]:
+def state_attention_flops(hlo_text: str) -> tuple[str, int]:
     """The HLO with each attention call's FLOPs (splash's, tokamax's) stated in its op_name, as our kernels
     state theirs; how many."""
     module = hlo.parse_module(hlo_text)
@@ -259,12 +259,12 @@ KINDS = ("matmuls", "attention", "elementwise, norms, converts", "communication 
 
 def price(hlo_text: str, target: Target, tokens_per_chip: int) -> dict:
     """The roofline of MaxText's compiled step, in compile_for's terms."""
-    hlo_text, splash_calls = state_splash_flops(hlo_text)
+    hlo_text, attention_calls = state_attention_flops(hlo_text)
     model = roofline.roofline(hlo_text, target.rates())
     collectives = [k for k in model.kernels if k.kind == "collective"]
     seconds = model.seconds_by(category)
     return {"step_seconds": model.step_seconds, "seconds_per_token": model.step_seconds / tokens_per_chip,
-            "hlo_matmul_tflop_per_device": model.matmul_flops / 1e12, "splash_calls": splash_calls,
+            "hlo_matmul_tflop_per_device": model.matmul_flops / 1e12, "attention_calls": attention_calls,
             "collectives_per_step": sum(c.runs for c in collectives),
             "asynchronous_collectives": sum(c.runs for c in collectives if c.asynchronous),
             "exposed_communication_seconds": model.exposed_communication_seconds,
@@ -273,7 +273,8 @@ def price(hlo_text: str, target: Target, tokens_per_chip: int) -> dict:
 
 def describe(title: str, row: dict) -> str:
     lines = [title, f"  roofline: step {row['step_seconds'] * 1e3:,.1f} ms ({row['hlo_matmul_tflop_per_device']:.1f} "
-             f"TFLOP of matmuls a chip, {row['splash_calls']} attention kernel calls priced at their blocks' FLOPs); "
+             f"TFLOP of matmuls a chip, {row['attention_calls']} attention kernel calls priced at their blocks' "
+             "FLOPs); "
              f"collectives {row['collectives_per_step']:,.0f} a step, {row['asynchronous_collectives']:,.0f} "
              "asynchronous"]
     lines += [f"    {kind:<30} {seconds * 1e3:10.1f} ms {seconds / row['step_seconds']:6.1%}"

@@ -41,15 +41,15 @@ SPLASH = ("HloModule m\n\nENTRY %main (q: bf16[2,16,4096,128], k: bf16[2,4,4096,
 def test_a_splash_call_costs_the_block_pairs_its_causal_mask_visits(fused):
     """Forward: 2 matmuls a visited pair and query head (QK^T, PV) over blocks of 1024 x 512 queries and keys;
     the backward's dK and dV kernel 4 (5 with dQ fused in) over blocks of 2048: what our kernels state."""
-    text, calls = maxtext_anchor.state_splash_flops(SPLASH.replace("FUSED", fused))
+    text, calls = maxtext_anchor.state_attention_flops(SPLASH.replace("FUSED", fused))
     model = roofline.roofline(text, TARGETS["v6e"].rates())
     by_name = {k.name: k for k in model.kernels}
     forward = by_name["splash_mha_fwd_segmented_residuals.1"]
     backward = by_name["splash_mha_dkv_segmented_no_residuals.2"]
     per_pair = 2 * 16 * 2 * 128  # batch x query heads x 2 FLOPs a multiply-add x D
     assert calls == 2 and forward.kind == backward.kind == "matmul"
-    assert forward.flops == per_pair * causal_pairs(4, 8) * 2 * 1024 * 512
-    assert backward.flops == per_pair * causal_pairs(2, 2) * (5 if fused == "true" else 4) * 2048 * 2048
+    assert forward.flops == per_pair * 20 * 2 * 1024 * 512  # 4 query blocks reach 2, 4, 6, 8 key blocks
+    assert backward.flops == per_pair * 3 * (5 if fused == "true" else 4) * 2048 * 2048
     assert forward.seconds == pytest.approx(max(forward.flops / TARGETS["v6e"].peak_flops,
                                                 forward.bytes / TARGETS["v6e"].memory_bandwidth))
 
@@ -103,7 +103,7 @@ def test_a_tokamax_call_costs_the_block_pairs_its_causal_mask_visits():
     (64 x 65 / 2 pairs on and below the diagonal of 4096 positions); the backward, one kernel, a dK/dV pass of
     4 matmuls over 32 x 64 blocks and a dQ pass of 3 over 64 x 32 (each visits 4160 pairs: a block row of 32
     queries reaches ceil((i + 1) / 2) blocks of 64 keys)."""
-    text, calls = maxtext_anchor.state_splash_flops(tokamax_module())
+    text, calls = maxtext_anchor.state_attention_flops(tokamax_module())
     model = roofline.roofline(text, TARGETS["h200"].rates())
     by_name = {k.name: k for k in model.kernels}
     forward, backward = by_name["forward.1"], by_name["backward.2"]
@@ -117,7 +117,7 @@ def test_a_tokamax_call_costs_the_block_pairs_its_causal_mask_visits():
 
 def test_a_tokamax_call_without_a_causal_mask_is_refused():
     with pytest.raises(ValueError, match="only causal"):
-        maxtext_anchor.state_splash_flops(tokamax_module(causal=False))
+        maxtext_anchor.state_attention_flops(tokamax_module(causal=False))
 
 
 def test_maxtexts_gpu_compile_takes_the_targets_cuda_topology(tmp_path):
