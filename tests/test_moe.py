@@ -112,7 +112,6 @@ def problem():
     return cfg, weights, batch, reference_of(cfg, weights, batch, 0.3)
 
 
-@pytest.mark.slow
 def test_the_dispatch_computes_every_chosen_expert_of_every_token():
     """experts_block alone on one device (float32), against NumPy's statement: each token's chosen
     experts (top k of sigmoid score + bias), each one's SwiGLU, weighed by its normalized score; with
