@@ -42,8 +42,9 @@ import math  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import types  # noqa: E402
 
-from seqax.analysis import hlo, roofline  # noqa: E402
+from seqax.analysis import hlo, memory, roofline  # noqa: E402
 from seqax.analysis.targets import TARGETS, Target  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -337,9 +338,7 @@ def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_fla
     title = (f"MaxText at {config}'s shape on {chips} x {target.name}, remat_policy={remat}, "
              f"{'libtpu' if target.platform == 'tpu' else 'XLA'} flags: "
              f"{'its recipe' if recipe_flags else 'none'}; compiled in {facts['compile_s']:.0f} s")
-    memory = facts["memory"]
-    row["memory_gib"] = (memory["argument_size_in_bytes"] + memory["output_size_in_bytes"]
-                         - memory["alias_size_in_bytes"] + memory["temp_size_in_bytes"]) / 2**30
+    row["memory_gib"] = memory.compiled_peak_bytes(types.SimpleNamespace(**facts["memory"])) / 2**30
     print(describe(title, row), flush=True)
     print(f"  memory per device (its compiler's plan): {row['memory_gib']:.1f} GiB of "
           f"{target.memory_bytes / 2**30:.1f}", flush=True)
