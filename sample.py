@@ -96,7 +96,8 @@ def forward_cached(arch: ModelConfig, w: train.Model, cache: KVCache, inputs: u3
         return x, cache
 
     x, (k, v) = lax.scan(layer, x, (w.layers, cache.k, cache.v))
-    return train.output_logits(arch, w, x[:, -1:])[:, 0], KVCache(k, v)
+    unembed = train.gathered_unembedding(arch, w)
+    return train.output_logits(arch, w.final_norm, unembed, x[:, -1:])[:, 0], KVCache(k, v)
 
 
 def choose_tokens(logits, key, index, temperature: float, top_k: int, max_token_id: int):

@@ -63,7 +63,7 @@ from seqax.records import RunRecords, resumed
 from seqax.shardlib.float8 import E5M2
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
 from seqax.shardlib.shardops import index_unreduced, inverse, pmax, pmean, psum, psum_scatter, ragged_all_to_all
-from seqax.shardlib.shardops import take_unreduced
+from seqax.shardlib.shardops import take_unreduced, vary_as
 from seqax.shardlib.shardtypes import Array, Masked, bool_, f32, make_partition_specs, make_shardings, pytree_dataclass
 from seqax.shardlib.shardtypes import typechecked, typed_shard_map, u32
 from seqax.signals import PreemptionWatch
@@ -351,30 +351,39 @@ def training_layer(arch: ModelConfig, x: f32[b"B/d L/c M/t"], w: Layer, doc_star
 
 
 def embed_tokens(w: Model, inputs):
-    """The residual stream [B/d, L/c, M/t] (float32) of input tokens [B/d, L/c]. The table stays
-    float32 on the wire: its gradient sums many tokens' rows, which bfloat16 would round badly."""
-    embed = all_gather("V/t M/d/c -> V/t M", w.embed)
-    return psum_scatter("B/d L/c M -> B/d L/c M/t", index_unreduced("V/t M, B/d L/c -> B/d L/c M", embed, inputs))
+    """The residual stream [B/d, L/c, M/t] (float32) of input tokens [B/d, L/c]. FSDP without gathering the
+    table: each device looks the whole batch's tokens up in its own columns (M/d/c), and an all-to-all brings
+    each device its tokens' whole rows. Nothing of the table's size (V x M) is on a device (a gathered table
+    and its gradient: 4 GiB in float32 at Llama 3's 128,256 x 4,096), and a device sends and receives its
+    tokens' rows, not the table. Float32 on the wire: the gradient sums many tokens' rows."""
+    tokens = all_gather("B/d L/c -> B L", inputs)
+    columns = index_unreduced("V/t M/d/c, B L -> B L M/d/c", w.embed, tokens)
+    rows = all_to_all("B L M/d/c -> B/d L/c M", columns)
+    return psum_scatter("B/d L/c M -> B/d L/c M/t", rows)
 
 
-def output_logits(arch: ModelConfig, w: Model, x, logit_gradient_bound=None):
-    """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x.
-    logit_gradient_bound: a bound on the loss's gradient by a logit (float8 scales that gradient by it), or None."""
-    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), w.final_norm, arch.norm_eps).astype(arch.operand_dtype)
-    unembed = all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.operand_dtype)
+def gathered_unembedding(arch: ModelConfig, w: Model):
+    """The unembedding [M, V/t] as output_logits multiplies it: gathered over d and c (FSDP), in bfloat16."""
+    return all_gather_cast("M/d/c V/t -> M V/t", w.unembed, arch.operand_dtype)
+
+
+def output_logits(arch: ModelConfig, final_norm, unembed, x, logit_gradient_bound=None):
+    """Next-token logits [B/d, L/c, V/t] (float32, this device's slice of V) of the residual stream x;
+    unembed: gathered_unembedding's. logit_gradient_bound: a bound on the loss's gradient by a logit (float8
+    scales that gradient by it), or None."""
+    nx = rms_norm(all_gather("B/d L/c M/t -> B/d L/c M", x), final_norm, arch.norm_eps).astype(arch.operand_dtype)
     # float8: the logits' gradient (softmax - one-hot) is mostly the softmax's tail, far below its bound: e5m2
     # holds values down to about 2^-31.8 of the bound, e4m3 (the layers' gradients) only to about 2^-17.8.
     return einsum_unreduced("B/d L/c M, M V/t -> B/d L/c V/t", nx, unembed, multiply_in=arch.matmul_dtype,
-                            first_amax=rms_norm_bound(w.final_norm), gradient_amax=logit_gradient_bound,
+                            first_amax=rms_norm_bound(final_norm), gradient_amax=logit_gradient_bound,
                             gradient_float8=E5M2)
 
 
 @typechecked
-def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
-            logit_gradient_bound=None) -> tuple[f32[b"B/d L/c V/t"], Array[b"layers", Routing]]:
-    """Next-token logits at every position of packed documents, and each layer's Routing (stacked).
-    The input of a document's first position is token 0 (begin of document). logit_gradient_bound: as
-    output_logits'."""
+def residual_stream(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
+                    is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c M/t"], Array[b"layers", Routing]]:
+    """The residual stream after the last layer at every position of packed documents, and each layer's
+    Routing (stacked). The input of a document's first position is token 0 (begin of document)."""
     length = inputs.shape[1] * lax.axis_size("c")
     check_attention_blocks(arch, length, lax.axis_size("c"))
     # With c > 1 a token's document start and position depend on other devices' chunks: whole rows and back.
@@ -393,39 +402,111 @@ def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"], is_seq_start: 
     for i in range(arch.layers):
         x, routing = body(x, jax.tree.map(operator.itemgetter(i), w.layers))  # layer i's weights
         routings.append(routing)
-    return output_logits(arch, w, x, logit_gradient_bound), jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
+    return x, jax.tree.map(lambda *layers: jnp.stack(layers), *routings)
 
 
 @typechecked
-def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"],
-                 logit_gradient_bound=None) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
-    """The next-token cross-entropy of every target of packed documents: -log p(target), and each
-    layer's Routing. Each document's first token is predicted from input token 0, so every token of
-    it is a target. logit_gradient_bound: as output_logits'."""
-    # The inputs are the targets shifted right by one position: the model at position i sees token
-    # i - 1 and predicts token i. At a document's first position the input is token 0 (begin of
-    # document), not the previous document's last token. The shift is done on whole rows: with
-    # c > 1 the input of a chunk's first position is the last target of another device's chunk.
+def forward(arch: ModelConfig, w: Model, inputs: u32[b"B/d L/c"],
+            is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c V/t"], Array[b"layers", Routing]]:
+    """Next-token logits at every position of packed documents, and each layer's Routing (stacked)."""
+    x, routing = residual_stream(arch, w, inputs, is_seq_start)
+    return output_logits(arch, w.final_norm, gathered_unembedding(arch, w), x), routing
+
+
+def model_inputs(targets: u32[b"B/d L/c"], is_seq_start: bool_[b"B/d L/c"]) -> u32[b"B/d L/c"]:
+    """The inputs that predict `targets`: the targets shifted right by one position (the model at position i
+    sees token i - 1 and predicts token i). At a document's first position the input is token 0 (begin of
+    document), not the previous document's last token, so every token of a document is a target. The shift is
+    done on whole rows: with c > 1 the input of a chunk's first position is the last target of another
+    device's chunk."""
     row_targets, row_starts = whole_rows(targets), whole_rows(is_seq_start)
     shifted = jnp.pad(row_targets[:, :-1], ((0, 0), (1, 0)))  # [B/d, L]: position i holds target i - 1
-    inputs = this_devices_chunks(jnp.where(row_starts, 0, shifted))
-    logits, routing = forward(arch, w, inputs, is_seq_start, logit_gradient_bound)  # float32
+    return this_devices_chunks(jnp.where(row_starts, 0, shifted))
+
+
+def token_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, logit_gradient_bound=None):
+    """-log p(target) [B/d, n] at each of n positions of the residual stream x [B/d, n, M/t]; unembed:
+    gathered_unembedding's; logit_gradient_bound: output_logits'."""
+    logits = output_logits(arch, final_norm, unembed, x, logit_gradient_bound)  # float32
     # Cross-entropy over a vocabulary split across t: log-sum-exp and the target's logit each
     # need one sum over t; take_unreduced picks the target's logit on the device holding it.
     max_logit = pmax("B/d L/c", lax.stop_gradient(jnp.max(logits, axis=-1)), "t")
     sum_exp = psum("B/d L/c", jnp.sum(jnp.exp(logits - max_logit[..., None]), axis=-1), "t")
     target_logit = psum("B/d L/c", take_unreduced("B/d L/c V/t, B/d L/c -> B/d L/c", logits, targets), "t")
-    return max_logit + jnp.log(sum_exp) - target_logit, routing
+    return max_logit + jnp.log(sum_exp) - target_logit
+
+
+# The loss goes over each device's positions in model.loss_chunks runs: the logits (a vocabulary of floats a
+# position) of one run exist at a time. in_chunks: [B/d, L/c, ...] -> [chunks, B/d, L/c / chunks, ...].
+def in_chunks(chunks: int, *xs):
+    return tuple(jnp.moveaxis(x.reshape(x.shape[0], chunks, x.shape[1] // chunks, *x.shape[2:]), 1, 0) for x in xs)
+
+
+def joined_chunks(x):  # in_chunks' inverse
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+@typechecked
+def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
+                 is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
+    """The next-token cross-entropy of every target of packed documents: -log p(target), and each
+    layer's Routing. Not for differentiating: training's loss is weighted_cross_entropy's."""
+    x, routing = residual_stream(arch, w, model_inputs(targets, is_seq_start), is_seq_start)
+    unembed = gathered_unembedding(arch, w)
+    losses = lax.map(lambda xs: token_cross_entropy(arch, w.final_norm, unembed, *xs),
+                     in_chunks(arch.loss_chunks, x, targets))
+    return joined_chunks(losses), routing
+
+
+def weighted_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
+    """The sum over this device's positions of weights x token_cross_entropy. final_norm is made varying over
+    the devices first: the gradient below is then each device's own, and autodiff sums it over them."""
+    return cross_entropy_sum(arch, vary_as(final_norm, x), unembed, x, targets, weights, logit_gradient_bound)
+
+
+# The cross-entropy's gradient computed with it, chunk by chunk (jax.vjp, the chunk's weights as the
+# cotangent), and kept for the backward pass in place of the logits: a chunk's logits, exponentials and their
+# gradient exist only while that chunk is done (Llama 3's vocabulary, 4,096 positions a device: 2 GiB each
+# in float32), and the backward pass scales the kept gradients by the sum's cotangent.
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def cross_entropy_sum(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
+    losses = lax.map(lambda xs: token_cross_entropy(arch, final_norm, unembed, *xs),
+                     in_chunks(arch.loss_chunks, x, targets))
+    return jnp.sum(weights * joined_chunks(losses))
+
+
+def cross_entropy_sum_and_gradient(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
+    def chunk(totals, chunk_of):
+        x, targets, weights = chunk_of
+        losses, chunk_vjp = jax.vjp(lambda *w_x: token_cross_entropy(arch, *w_x, targets, logit_gradient_bound),
+                                    final_norm, unembed, x)
+        d_norm, d_unembed, d_x = chunk_vjp(weights)
+        loss, g_norm, g_unembed = totals
+        return (loss + jnp.sum(weights * losses), g_norm + d_norm, g_unembed + d_unembed.astype(jnp.float32)), d_x
+
+    zero = (vary_as(jnp.zeros((), jnp.float32), weights), vary_as(jnp.zeros_like(final_norm), final_norm),
+            vary_as(jnp.zeros(unembed.shape, jnp.float32), unembed))
+    (loss, d_norm, d_unembed), d_x = lax.scan(chunk, zero, in_chunks(arch.loss_chunks, x, targets, weights))
+    return loss, (d_norm, d_unembed.astype(unembed.dtype), joined_chunks(d_x))
+
+
+def cross_entropy_sum_backward(arch: ModelConfig, gradients, cotangent):
+    d_norm, d_unembed, d_x = gradients
+    return d_norm * cotangent, (d_unembed * cotangent).astype(d_unembed.dtype), d_x * cotangent, None, None, None
+
+
+cross_entropy_sum.defvjp(cross_entropy_sum_and_gradient, cross_entropy_sum_backward)
 
 
 def model_loss(arch: ModelConfig, balance_weight: float, w: Model, targets, is_seq_start, loss_mask):
-    """This device's share of what training minimizes: the mean token_losses over the global batch's real
-    tokens (not padding: loss_mask), plus balance_weight x the layers' balance losses. Also returns the
+    """This device's share of what training minimizes: the mean token cross-entropy over the global batch's
+    real tokens (not padding: loss_mask), plus balance_weight x the layers' balance losses. Also returns the
     cross-entropy share alone and the experts' loads [layers, E] (aux)."""
     global_tokens = jnp.maximum(psum("", jnp.sum(loss_mask, dtype=jnp.float32), ("d", "c")), 1)
+    x, routing = residual_stream(arch, w, model_inputs(targets, is_seq_start), is_seq_start)
     # d loss / d logit = (softmax - one-hot) / global_tokens for a real token, 0 for padding: at most 1 / global_tokens.
-    losses, routing = token_losses(arch, w, targets, is_seq_start, 1 / global_tokens)
-    loss = jnp.sum(jnp.where(loss_mask, losses, 0.0)) / global_tokens
+    loss = weighted_cross_entropy(arch, w.final_norm, gathered_unembedding(arch, w), x, targets,
+                                  jnp.where(loss_mask, 1 / global_tokens, 0.0), 1 / global_tokens)
     return loss + balance_weight * jnp.sum(routing.balance_loss), (loss, routing.load)
 
 

@@ -11,8 +11,9 @@ the step ours is compared with (docs/roofline.md, "Calibrated on TPUs").
 measured MFU and tokens/s it published) and prints the roofline beside the measurement: the roofline's step
 must not be longer than the measured one (its MFU ceiling at least the measured MFU). --config compiles
 MaxText's step at one of our configs' shapes (model, sequence length, batch per chip, chips), with its default
-remat policy and no compiler flags unless --remat and --recipe-flags (a TPU recipe's libtpu flags) say
-otherwise, and with --ours compiles ours beside it (bench/compile_for.py) and prints the ratio.
+remat policy, its default optimizer (AdamW) and no compiler flags unless --remat, --optimizer muon (MaxText's
+Muon: Newton-Schulz on the layers' matrices, AdamW on the rest, as ours) and --recipe-flags (a TPU recipe's libtpu
+flags) say otherwise, and with --ours compiles ours beside it (bench/compile_for.py) and prints the ratio.
 
 MaxText's compile runs in .venv-maxtext (bench/maxtext/compile_maxtext.py: MaxText 0.2.5 needs Python
 >= 3.12, jax 0.11.1, libtpu 0.0.46.3) and writes its optimized HLO; this script, in our venv, prices it.
@@ -319,7 +320,7 @@ def config_settings(cfg, chips: int) -> list[str]:
 
 
 def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_flags: bool, remat: str,
-               overrides: list[str]) -> dict:
+               optimizer: str, overrides: list[str]) -> dict:
     from seqax.config import load_config  # our config, for its shapes only
 
     cfg = load_config(config, overrides + ["+paths.model_name=maxtext_anchor"])
@@ -329,13 +330,15 @@ def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_fla
     tokens_per_chip = cfg.training.tokens.batch * cfg.training.tokens.len // chips
     if recipe_flags and target.name not in FLAGS:
         sys.exit(f"bench.maxtext_anchor: error: no recipe's flags for {target.name} here (recipes: {sorted(FLAGS)})")
-    out = os.path.join(out_dir, f"{config}-{target.name}-{remat}{'-recipe-flags' if recipe_flags else ''}")
+    out = os.path.join(out_dir, f"{config}-{target.name}-{remat}{'-recipe-flags' if recipe_flags else ''}"
+                       f"{'' if optimizer == OPTIMIZER else '-' + optimizer}")
     flags = FLAGS[target.name] if recipe_flags else ""
-    facts = compile_maxtext(out, target, chips, config_settings(cfg, chips) + [f"remat_policy={remat}"], flags)
+    settings = config_settings(cfg, chips) + [f"remat_policy={remat}", f"opt_type={optimizer}"]
+    facts = compile_maxtext(out, target, chips, settings, flags)
     with open(out + ".hlo.txt") as f:
         row = price(f.read(), target, tokens_per_chip)
     row.update(config=config, target=target.name, compile_s=facts["compile_s"], memory=facts["memory"])
-    title = (f"MaxText at {config}'s shape on {chips} x {target.name}, remat_policy={remat}, "
+    title = (f"MaxText at {config}'s shape on {chips} x {target.name}, remat_policy={remat}, opt_type={optimizer}, "
              f"{'libtpu' if target.platform == 'tpu' else 'XLA'} flags: "
              f"{'its recipe' if recipe_flags else 'none'}; compiled in {facts['compile_s']:.0f} s")
     row["memory_gib"] = memory.compiled_peak_bytes(types.SimpleNamespace(**facts["memory"])) / 2**30
@@ -359,6 +362,7 @@ def run_config(config: str, target: Target, out_dir: str, ours: bool, recipe_fla
 # --config's default remat_policy: MaxText's own default (recompute each layer's forward in its backward).
 # Others of its policies (--remat): minimal, save_qkv_proj, save_dot_except_mlp, ... (its base.yml lists them).
 REMAT = "full"
+OPTIMIZER = "adamw"  # MaxText's default opt_type; "muon" is ours (train.MUON's matrices, AdamW for the rest)
 
 
 def main(argv=None):
@@ -367,6 +371,8 @@ def main(argv=None):
     parser.add_argument("--config", nargs="+", default=[], help="our configs: MaxText's step at their shapes")
     parser.add_argument("--target", default="v6e", choices=sorted(TARGETS), help="--config's target (default v6e)")
     parser.add_argument("--remat", default=REMAT, help=f"--config's MaxText remat_policy (default {REMAT})")
+    parser.add_argument("--optimizer", default=OPTIMIZER, choices=("adamw", "muon"),
+                        help=f"--config's MaxText opt_type (default {OPTIMIZER})")
     parser.add_argument("--ours", action="store_true", help="compile our step beside each --config's")
     parser.add_argument("--recipe-flags", action="store_true",
                         help="compile --config's MaxText step with its target's recipe's libtpu flags (default: none)")
@@ -380,7 +386,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     rows = [run_recipe(name, args.out) for name in args.recipe]
     rows += [run_config(config, TARGETS[args.target], args.out, args.ours, args.recipe_flags, args.remat,
-                        args.overrides)
+                        args.optimizer, args.overrides)
              for config in args.config]
     if args.json:
         with open(args.json, "w") as f:

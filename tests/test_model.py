@@ -108,6 +108,14 @@ def test_float32_loss_and_gradients_of_a_small_model_equal_reference(small_probl
     assert_float32_equals_reference(*small_problem, d, t)
 
 
+def test_the_loss_over_chunks_of_positions_equals_reference(small_problem):
+    """model.loss_chunks=4: the loss over a quarter of each device's positions at a time, each quarter's gradient
+    computed with its loss (train.cross_entropy_sum), is the same loss and gradients up to the order of sums."""
+    cfg, *problem = small_problem
+    assert_float32_equals_reference(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunks=4)),
+                                    *problem, 4, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d,t", MESHES)
 def test_float32_loss_and_gradients_equal_reference_on_every_mesh(problem, exact_reference, d, t):
@@ -228,8 +236,8 @@ def test_float8_scales_the_logits_gradient_by_the_losss_bound_not_its_amax(monke
 
     bfloat16, float8 = logit_maxima(), logit_maxima("model.matmul_dtype=float8")
     assert bfloat16 >= 1 and float8 == bfloat16, (bfloat16, float8)
-    token_losses = train.token_losses
-    monkeypatch.setattr(train, "token_losses", lambda *args: token_losses(*args[:4]))  # the bound dropped
+    weighted_cross_entropy = train.weighted_cross_entropy  # below, without the bound
+    monkeypatch.setattr(train, "weighted_cross_entropy", lambda *args: weighted_cross_entropy(*args[:6], None))
     assert logit_maxima("model.matmul_dtype=float8") == bfloat16 + 1
 
 
