@@ -197,6 +197,28 @@ def model_loss_jaxpr(cfg, differentiated: bool):
         return jax.make_jaxpr(jax.value_and_grad(loss) if differentiated else loss)(state.weights, *batch).jaxpr
 
 
+def value_shapes(jaxpr) -> set[tuple]:
+    """The shape of every value jaxpr computes, its inner jaxprs' included."""
+    shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars if hasattr(v.aval, "shape")}
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for inner in (param if isinstance(param, (list, tuple)) else [param]):
+                if isinstance(inner, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                    shapes |= value_shapes(getattr(inner, "jaxpr", inner))
+    return shapes
+
+
+def test_no_device_holds_the_whole_embedding_table_or_its_gradient():
+    """FSDP without gathering the embedding (train.embed_tokens): on a 4x2 mesh the loss and its gradient never
+    make a value of the table's shape on a device with M whole ([V/t, M]), only its shard [V/t, M/d]; the
+    unembedding, which the loss multiplies whole, is gathered ([M, V/t])."""
+    cfg = tiny_config("model.vocab=384")  # V/t = 192, M = 64: no other value has those shapes
+    M, V = cfg.model.d_model, cfg.model.vocab
+    shapes = value_shapes(model_loss_jaxpr(cfg, differentiated=True))
+    assert (V // 2, M // 4) in shapes and (M, V // 2) in shapes, shapes
+    assert (V // 2, M) not in shapes
+
+
 def test_float8_scales_the_normed_stream_by_its_norms_bound_not_its_amax():
     """rms_norm_bound bounds every normed value (a one-hot row, which puts all of its norm on one element,
     reaches it up to eps), so float8 scales the normed stream by it: the forward pass takes no amax over the
