@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 from fixtures import make_mesh
-from seqax.shardlib import shardops
+from seqax.shardlib import bits, shardops
 from seqax.shardlib.shardops import (
     SpecError,
     all_gather,
@@ -65,8 +65,11 @@ def test_all_gather_forward_and_gradient(mesh):
 def test_all_gather_cast_sends_bf16_and_sums_gradients_in_f32(mesh, monkeypatch, platform, collective):
     """The gathered weight is w rounded to bfloat16 (as the matmul would cast it), and its
     gradient is the float32 sum over d of each device's bfloat16 cotangent: no bf16 sum. As a TPU
-    runs it, the gather is a ring of collective permutes, with the same values and gradient."""
+    runs it, the gather is a ring of collective permutes, with the same values and gradient. Two bytes a value
+    on the wire: on a CPU as their bits (u16, which XLA:CPU does not widen), elsewhere as bfloat16 (a TPU runs
+    float collectives, not integer ones, on its SparseCores)."""
     monkeypatch.setattr(shardops, "traced_device", lambda: (platform, ""))
+    monkeypatch.setattr(bits, "traced_device", lambda: (platform, ""))
     w, c = rand(8, 6), rand(4, 8, 6)
     bf16 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
 
@@ -86,8 +89,11 @@ def test_all_gather_cast_sends_bf16_and_sums_gradients_in_f32(mesh, monkeypatch,
     grad = jax.jit(jax.grad(loss))(w, c)
     assert grad.dtype == jnp.float32
     check_close(grad, sum(bf16(c[i]) for i in range(4)))
-    text = jax.jit(jax.value_and_grad(loss)).lower(w, c).compile().as_text()
-    assert "u16[" in text and collective in text  # two bytes a value on the wire
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(w, c)
+    wire = re.findall(r"stablehlo\.(?:all_gather|collective_permute).*-> tensor<[0-9x]*(\w+)>", lowered.as_text())
+    assert wire and set(wire) == {"ui16" if platform == "cpu" else "bf16"}, wire
+    text = lowered.compile().as_text()
+    assert collective in text
     assert (" all-gather(" in text) == (platform != "tpu")
     assert all("f32[" in line.split("=")[1].split("reduce-scatter(")[0]
                for line in text.splitlines() if " reduce-scatter(" in line)
