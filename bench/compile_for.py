@@ -73,6 +73,16 @@ class CompilerError(SeqaxError):
     """A target's compiler is missing or failed."""
 
 
+def synchronous_by_op(collectives: list[roofline.Kernel]) -> dict[str, float]:
+    """Runs a step of the collectives the compiler does not overlap, by HLO op (all-gather, all-to-all, ...)."""
+    runs: dict[str, float] = {}
+    for c in collectives:
+        if not c.asynchronous:
+            op = c.name.split(".")[0].replace("_", "-")
+            runs[op] = runs.get(op, 0) + c.runs
+    return runs
+
+
 def category(kernel: roofline.Kernel) -> str:
     if kernel.kind == "collective":
         return "communication (exposed)"
@@ -155,6 +165,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "memory_fraction": planned / target.memory_bytes, "estimate_gib": estimate / GiB,
         "collectives_per_step": sum(c.runs for c in collectives),
         "asynchronous_collectives": sum(c.runs for c in collectives if c.asynchronous),
+        "synchronous_collectives_by_op": synchronous_by_op(collectives),
         "communication_mib": sum(c.bytes * c.runs for c in collectives) / 2**20,
         "communication_seconds": model.synchronous_seconds + model.asynchronous_seconds,
         "step_seconds": model.step_seconds, "tokens_per_second": tokens / model.step_seconds,

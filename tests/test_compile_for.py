@@ -49,9 +49,9 @@ def eight_devices(tmp_path_factory):
 def test_the_step_fits_each_device_and_its_compiler_says_how(eight_devices):
     """... and memory.py's estimate, which models what an accelerator holds (an upper bound of most terms),
     is within 35% of each target compiler's plan (2026-12-04: 0.81 of the H200's, 1.24 of the v6e's; 1.32 of
-    the v6e's since its weights' gathers became rings of collective permutes, which write each block in place:
-    its plan 20.8 MiB, the estimate 27.4 MiB). XLA:CPU plans more than either for the unrolled layers
-    (0.65), so this is where the estimate is checked."""
+    the v6e's with its weights' gathers as rings of collective permutes, its plan 20.8 MiB, the estimate 27.4
+    MiB). XLA:CPU plans more than either for the unrolled layers (0.65), so this is where the estimate is
+    checked."""
     for row in eight_devices.values():
         assert 0 < row["memory_gib"] < 0.9 * row["device_memory_gib"], row
         assert 0.7 <= row["estimate_gib"] / row["memory_gib"] <= 1.35, row
@@ -67,11 +67,12 @@ def test_the_collectives_of_fsdp_and_tensor_parallelism_are_found(eight_devices)
     gpu = eight_devices["h200"]
     assert gpu["collectives_per_step"] > 20 and gpu["communication_mib"] > 0
     assert gpu["asynchronous_collectives"] > 0
-    # On the TPU each weight's gather is a ring of collective permutes, which libtpu runs asynchronously where
-    # it runs a shard_map's all-gathers synchronously (2026-12-06: 128 of 161 asynchronous; as all-gathers, 41
-    # of 103).
+    # On the TPU every all-gather and reduce-scatter runs on the SparseCores, beside the TensorCores (seqax/xla_tpu.py),
+    # which take floats: as bf16's bits (uint16) the weights' gathers stayed synchronous (2026-12-07: 41 of 103
+    # collectives asynchronous then, 69 of 104 now; the rest are all-to-alls and small all-reduces).
     tpu = eight_devices["v6e"]
-    assert tpu["collectives_per_step"] > 20 and tpu["asynchronous_collectives"] > 0.7 * tpu["collectives_per_step"]
+    assert tpu["collectives_per_step"] > 20 and tpu["asynchronous_collectives"] > 0.6 * tpu["collectives_per_step"]
+    assert not {"all-gather", "reduce-scatter"} & set(tpu["synchronous_collectives_by_op"]), tpu
 
 
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas"])

@@ -95,7 +95,7 @@ class LayerMemory:
     logits: jax.ShapeDtypeStruct  # one device's logits of one of the loss's runs (model.loss_chunks)
     ring_bytes: int  # the largest set of blocks one ring step sends and receives (0 without mesh.c > 1)
     weight_bytes: int  # one layer's weights as its matmuls read them, and their f32 gradient (used_weight_bytes)
-    stream_bytes: int  # one device's residual stream [B/d, L/c, M] in float32, its M whole
+    stream_bytes: int  # one device's residual stream [B/d, L/c, M/t] in float32
 
 
 def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
@@ -135,7 +135,7 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     logits = annotated(typing.get_args(inspect.signature(forward).return_annotation)[0], sizes, mesh)
     b, length, v = logits.sharding.shard_shape(logits.shape)
     return LayerMemory(lines, jax.ShapeDtypeStruct((b, length // cfg.model.loss_chunks, v), logits.dtype), ring[0],
-                       weight_bytes[0], b * length * cfg.model.d_model * 4)
+                       weight_bytes[0], b * length * cfg.model.d_model // mesh.shape["t"] * 4)
 
 
 def _subjaxprs(eqn):
@@ -253,9 +253,9 @@ def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[s
     saved = layer_saved_values(layer.saved)
     saved_per_layer = sum(size for _, size, _ in saved)
     outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != name]
-    # Outside the layers, the unembedding, gathered over d and c (bf16), with its gradient summed over the loss's
-    # runs (f32) and cast back to bf16: 2x its float32 bytes. (The embedding is not gathered: train.embed_tokens.)
-    gathered = max(layer.weight_bytes, *(2 * gathered_bytes(w) for w in outside_layers))
+    # Outside the layers, the unembedding, gathered over d and c (bf16), and its gradient summed over the loss's runs
+    # (f32): 1.5x its float32 bytes. (The embedding is not gathered: train.embed_tokens.)
+    gathered = max(layer.weight_bytes, *(round(1.5 * gathered_bytes(w)) for w in outside_layers))
     logits_bytes = math.prod(layer.logits.shape) * jnp.dtype(layer.logits.dtype).itemsize
     terms = [
         ("weights (f32, sharded as annotated)", weights),
@@ -268,9 +268,8 @@ def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[s
         ("largest gathered weights: one layer's (bf16, f32 gradient) or the unembedding's", gathered),
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
         ("logits of one of the loss's runs (f32) and their gradient", 2 * logits_bytes),
-        # The embedding's lookup: the batch's tokens in this device's columns, then its tokens' rows (each the size of
-        # the residual stream in f32); the loss's gradient of the residual stream, kept for the backward pass.
-        ("the embedding's lookup and the loss's gradient of the residual stream (f32)", 3 * layer.stream_bytes),
+        # train.cross_entropy_sum keeps it from the loss to the backward pass, beside every layer's saved values.
+        ("the loss's gradient of the residual stream (f32)", layer.stream_bytes),
         ("Muon: the largest weight's whole matrices here, Newton-Schulz's temporaries",
          muon_bytes(stacked, muon)),
     ]

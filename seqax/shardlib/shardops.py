@@ -35,7 +35,6 @@ from seqax.shardlib.shardtypes import (
     make_partition_specs,
     parse_dims,
     spec_axes,
-    traced_device,
 )
 
 
@@ -89,51 +88,23 @@ def all_gather_cast(spec: str, x, dtype):
     the cross-device sum is float32 whatever `dtype` is. Each device's part of that sum arrives
     in `dtype`, though (the gradient of a `dtype` array, as an einsum returns it): rounded before
     the sum, which is why bf16 gradients differ between meshes by ~1e-3. x must be float32.
-
-    On a TPU the gather over up to RING_DEVICES devices is a ring of collective permutes (n - 1 steps, each
-    device passing on the block it received last): libtpu runs a shard_map's all-gathers synchronously, between
-    the kernels, and its collective permutes asynchronously, beside them (tpu8_1b: exposed communication 16.7
-    -> 2.1 ms, docs/performance.md). Elsewhere it is one all-gather, which GPUs run asynchronously as it is."""
+    GPUs run the gather asynchronously, beside the kernels; TPUs on their SparseCores (seqax/xla_tpu.py)."""
     op = "all_gather_cast"
     gathers = _gathers(op, spec, x)
     _require_f32(op, x)
-    ring = traced_device()[0] == "tpu" and all(lax.axis_size(axes) <= RING_DEVICES for _, axes in gathers)
-    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype), ring)
+    return _gather_cast(x, tuple(gathers), jnp.dtype(dtype))
 
 
-# The most devices all_gather_cast gathers over by a ring on a TPU (tpu8_1b's 8): the ring's n - 1 permutes a
-# weight are written out one by one, and over 128 devices (tpu256_8b, d x c) the compile of the 8B's step
-# outgrew 24 GiB of host memory, where one all-gather a weight compiled in 737 s.
-RING_DEVICES = 8
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_cast(x, gathers, dtype):
+    return through_bits(partial(_gather, gathers), x.astype(dtype))  # on a CPU as its bits (bits.py)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather_cast(x, gathers, dtype, ring: bool):
-    gather = _ring_gather if ring else _gather
-    return through_bits(partial(gather, gathers), x.astype(dtype))  # a bf16 collective as its bits (bits.py)
+def _gather_cast_forward(x, gathers, dtype):
+    return _gather_cast(x, gathers, dtype), None
 
 
-def _ring_gather(gathers, x):
-    """_gather as n - 1 collective permutes around each ring of devices: after step k a device holds the
-    block of the device k before it, written into its place in the gathered array."""
-    for dim, axes in gathers:
-        n = lax.axis_size(axes)
-        if n > 1:
-            name = axes if len(axes) > 1 else axes[0]
-            i, block = lax.axis_index(name), x
-            blocks = lax.dynamic_update_index_in_dim(jnp.zeros((n,) + x.shape, x.dtype), x, i, 0)
-            for k in range(1, n):
-                block = lax.ppermute(block, name, [(j, (j + 1) % n) for j in range(n)])
-                blocks = lax.dynamic_update_index_in_dim(blocks, block, (i - k) % n, 0)
-            x = _joined(blocks, dim)
-    return x
-
-
-def _gather_cast_forward(x, gathers, dtype, ring):
-    return _gather_cast(x, gathers, dtype, ring), None
-
-
-def _gather_cast_backward(gathers, dtype, ring, _, cotangent):
+def _gather_cast_backward(gathers, dtype, _, cotangent):
     return (_scatter(reversed(gathers), cotangent.astype(jnp.float32)),)
 
 
