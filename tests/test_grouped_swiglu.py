@@ -40,7 +40,7 @@ def problem(dtype, N=20, M=8, H=6, G=4):
     return x, gate_w, up_w, down_w
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow), jnp.bfloat16])
 def test_each_listed_row_goes_through_its_groups_swiglu_and_no_other_row_moves(dtype):
     """20 rows in blocks of 3: groups of 2, 0, 2 and 1 blocks out of 7 (one block empty at the end,
     padding places in some blocks, rows 18 and 19 listed nowhere): output and every gradient equal

@@ -85,6 +85,7 @@ def test_make_tools_installs_what_the_tools_import():
         assert "-r requirements-tools.txt" in f.read().splitlines()
 
 
+@pytest.mark.slow  # trains a run to export
 def test_the_export_without_torch_is_one_line_naming_make_tools_and_leaves_no_output(tmp_path, monkeypatch, capsys):
     """The export checks its logits with transformers on torch (requirements-tools.txt): without them it stops
     with the one line that names `make tools`, and nothing of the export is left."""

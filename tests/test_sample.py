@@ -74,6 +74,7 @@ def test_greedy_with_kv_cache_matches_full_forward_passes(model, d, t):
             assert row.tolist() == expected, (prompt, row.tolist(), expected)
 
 
+@pytest.mark.slow
 def test_generation_keeps_at_most_two_steps_in_flight(model, monkeypatch):
     """Each decoding step is dispatched only once the step two before it has finished: on XLA:CPU,
     multi-device steps queued ahead of busy devices deadlocked their collectives (41 steps on a loaded

@@ -141,8 +141,9 @@ def test_no_config_name_is_one_line_naming_the_configs(tmp_path):
                            if n.endswith(".yaml")))], result.stderr
 
 
-@pytest.mark.parametrize("written_with", [{}, {k: v for k, v in train.MUON.items() if k != "w_q"}],
-                         ids=["adamw_only", "muon_without_w_q"])
+@pytest.mark.parametrize("written_with", [pytest.param({}, marks=pytest.mark.slow, id="adamw_only"),
+                                          pytest.param({k: v for k, v in train.MUON.items() if k != "w_q"},
+                                                       id="muon_without_w_q")])
 def test_a_checkpoint_of_other_optimizers_stops_the_resumed_run_with_one_line(small_dataset, tmp_path, monkeypatch,
                                                                              written_with):
     """A checkpoint written by the AdamW-only version (MUON = {}), or with another list of Muon
