@@ -172,16 +172,19 @@ def test_float8_gradients_are_within_float8s_rounding_of_exact(problem, exact_re
     assert np.mean([err for _, err in ours]) < 20 * np.mean(list(reference.values())), (ours, reference)
 
 
-def reductions_of_shape(jaxpr, primitive: str, shape: tuple) -> int:
-    """How many `primitive` equations of jaxpr (its inner jaxprs included) reduce an operand of `shape`."""
-    count = 0
+def equations(jaxpr):
+    """Every equation of jaxpr, its inner jaxprs' (a scan's body, a custom VJP's, ...) included."""
     for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == primitive and tuple(eqn.invars[0].aval.shape) == shape
+        yield eqn
         for param in eqn.params.values():
             for inner in (param if isinstance(param, (list, tuple)) else [param]):
                 if isinstance(inner, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    count += reductions_of_shape(getattr(inner, "jaxpr", inner), primitive, shape)
-    return count
+                    yield from equations(getattr(inner, "jaxpr", inner))
+
+
+def reductions_of_shape(jaxpr, primitive: str, shape: tuple) -> int:
+    """How many `primitive` equations of jaxpr (its inner jaxprs included) reduce an operand of `shape`."""
+    return sum(eqn.primitive.name == primitive and tuple(eqn.invars[0].aval.shape) == shape for eqn in equations(jaxpr))
 
 
 def model_loss_jaxpr(cfg, differentiated: bool):
@@ -200,13 +203,7 @@ def model_loss_jaxpr(cfg, differentiated: bool):
 
 def value_shapes(jaxpr) -> set[tuple]:
     """The shape of every value jaxpr computes, its inner jaxprs' included."""
-    shapes = {tuple(v.aval.shape) for eqn in jaxpr.eqns for v in eqn.outvars if hasattr(v.aval, "shape")}
-    for eqn in jaxpr.eqns:
-        for param in eqn.params.values():
-            for inner in (param if isinstance(param, (list, tuple)) else [param]):
-                if isinstance(inner, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    shapes |= value_shapes(getattr(inner, "jaxpr", inner))
-    return shapes
+    return {tuple(v.aval.shape) for eqn in equations(jaxpr) for v in eqn.outvars if hasattr(v.aval, "shape")}
 
 
 def test_no_device_holds_the_whole_embedding_table_or_its_gradient():
@@ -266,17 +263,9 @@ def test_float8_scales_the_logits_gradient_by_the_losss_bound_not_its_amax(monke
 
 def float8_casts(jaxpr) -> set[tuple[str, tuple]]:
     """(type, shape) of every cast to a float8 type in jaxpr, its inner jaxprs' included."""
-    casts = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "convert_element_type":
-            out = eqn.outvars[0].aval
-            if out.dtype.itemsize == 1 and jnp.issubdtype(out.dtype, jnp.floating):
-                casts.add((out.dtype.name, tuple(out.shape)))
-        for param in eqn.params.values():
-            for inner in (param if isinstance(param, (list, tuple)) else [param]):
-                if isinstance(inner, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-                    casts |= float8_casts(getattr(inner, "jaxpr", inner))
-    return casts
+    outs = [eqn.outvars[0].aval for eqn in equations(jaxpr) if eqn.primitive.name == "convert_element_type"]
+    return {(out.dtype.name, tuple(out.shape)) for out in outs
+            if out.dtype.itemsize == 1 and jnp.issubdtype(out.dtype, jnp.floating)}
 
 
 def test_float8_multiplies_the_logits_gradient_in_e5m2_and_everything_else_in_e4m3():
