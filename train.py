@@ -436,13 +436,13 @@ def token_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, logi
     return max_logit + jnp.log(sum_exp) - target_logit
 
 
-# The loss goes over each device's positions in model.loss_chunks runs: the logits (a vocabulary of floats a
-# position) of one run exist at a time. in_chunks: [B/d, L/c, ...] -> [chunks, B/d, L/c / chunks, ...].
-def in_chunks(chunks: int, *xs):
-    return tuple(jnp.moveaxis(x.reshape(x.shape[0], chunks, x.shape[1] // chunks, *x.shape[2:]), 1, 0) for x in xs)
+# The loss goes over each device's positions in model.loss_parts parts: the logits (a vocabulary of floats a
+# position) of one part exist at a time. in_parts: [B/d, L/c, ...] -> [parts, B/d, L/c / parts, ...].
+def in_parts(parts: int, *xs):
+    return tuple(jnp.moveaxis(x.reshape(x.shape[0], parts, x.shape[1] // parts, *x.shape[2:]), 1, 0) for x in xs)
 
 
-def joined_chunks(x):  # in_chunks' inverse
+def joined_parts(x):  # in_parts' inverse
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
@@ -454,8 +454,8 @@ def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
     x, routing = residual_stream(arch, w, model_inputs(targets, is_seq_start), is_seq_start)
     unembed = gathered_unembedding(arch, w)
     losses = lax.map(lambda xs: token_cross_entropy(arch, w.final_norm, unembed, *xs),
-                     in_chunks(arch.loss_chunks, x, targets))
-    return joined_chunks(losses), routing
+                     in_parts(arch.loss_parts, x, targets))
+    return joined_parts(losses), routing
 
 
 def weighted_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
@@ -464,30 +464,30 @@ def weighted_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, w
     return cross_entropy_sum(arch, vary_as(final_norm, x), unembed, x, targets, weights, logit_gradient_bound)
 
 
-# The cross-entropy's gradient computed with it, chunk by chunk (jax.vjp, the chunk's weights as the
-# cotangent), and kept for the backward pass in place of the logits: a chunk's logits, exponentials and their
-# gradient exist only while that chunk is done (Llama 3's vocabulary, 4,096 positions a device: 2 GiB each
+# The cross-entropy's gradient computed with it, part by part (jax.vjp, the part's weights as the
+# cotangent), and kept for the backward pass in place of the logits: a part's logits, exponentials and their
+# gradient exist only while that part is done (Llama 3's vocabulary, 4,096 positions a device: 2 GiB each
 # in float32), and the backward pass scales the kept gradients by the sum's cotangent.
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def cross_entropy_sum(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
     losses = lax.map(lambda xs: token_cross_entropy(arch, final_norm, unembed, *xs),
-                     in_chunks(arch.loss_chunks, x, targets))
-    return jnp.sum(weights * joined_chunks(losses))
+                     in_parts(arch.loss_parts, x, targets))
+    return jnp.sum(weights * joined_parts(losses))
 
 
 def cross_entropy_sum_and_gradient(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
-    def chunk(totals, chunk_of):
-        x, targets, weights = chunk_of
-        losses, chunk_vjp = jax.vjp(lambda *w_x: token_cross_entropy(arch, *w_x, targets, logit_gradient_bound),
+    def part(totals, part_of):
+        x, targets, weights = part_of
+        losses, part_vjp = jax.vjp(lambda *w_x: token_cross_entropy(arch, *w_x, targets, logit_gradient_bound),
                                     final_norm, unembed, x)
-        d_norm, d_unembed, d_x = chunk_vjp(weights)
+        d_norm, d_unembed, d_x = part_vjp(weights)
         loss, g_norm, g_unembed = totals
         return (loss + jnp.sum(weights * losses), g_norm + d_norm, g_unembed + d_unembed.astype(jnp.float32)), d_x
 
     zero = (vary_as(jnp.zeros((), jnp.float32), weights), vary_as(jnp.zeros_like(final_norm), final_norm),
             vary_as(jnp.zeros(unembed.shape, jnp.float32), unembed))
-    (loss, d_norm, d_unembed), d_x = lax.scan(chunk, zero, in_chunks(arch.loss_chunks, x, targets, weights))
-    return loss, (d_norm, d_unembed.astype(unembed.dtype), joined_chunks(d_x))
+    (loss, d_norm, d_unembed), d_x = lax.scan(part, zero, in_parts(arch.loss_parts, x, targets, weights))
+    return loss, (d_norm, d_unembed.astype(unembed.dtype), joined_parts(d_x))
 
 
 def cross_entropy_sum_backward(arch: ModelConfig, gradients, cotangent):

@@ -95,9 +95,9 @@ class ModelConfig:
     experts_per_token: int = 0  # top-k; at least 1 and at most `experts` when there are experts
     expert_d_ff: int = 0  # H
     expert_block: int = 64  # rows per block of the experts' grouped SwiGLU (speed, not the math)
-    # the loss over each device's positions (training.tokens.len / mesh.c) in this many runs, one run's logits at
-    # a time, each run's gradient computed with its loss (memory, not the math: train.cross_entropy_sum)
-    loss_chunks: int = 1
+    # the loss over each device's positions (training.tokens.len / mesh.c) in this many parts, one part's logits at
+    # a time, each part's gradient computed with its loss (memory, not the math: train.cross_entropy_sum)
+    loss_parts: int = 1
 
     @property
     def operand_dtype(self) -> str:

@@ -65,8 +65,8 @@ def validate_config(cfg: Config, n_devices: int, max_token_id: int, weights):
         raise ConfigError(f"training.tokens.batch={cfg.training.tokens.batch} is not divisible by mesh.d={d}; "
                           f"make it a positive multiple of {d}")
     check_attention_blocks(m, cfg.training.tokens.len, c)
-    if m.loss_chunks < 1 or (cfg.training.tokens.len // c) % m.loss_chunks:
-        raise ConfigError(f"model.loss_chunks={m.loss_chunks} must divide each device's positions, training.tokens.len "
+    if m.loss_parts < 1 or (cfg.training.tokens.len // c) % m.loss_parts:
+        raise ConfigError(f"model.loss_parts={m.loss_parts} must divide each device's positions, training.tokens.len "
                           f"/ mesh.c = {cfg.training.tokens.len // c}")
     if m.d_head % 2:
         raise ConfigError(f"model.d_head={m.d_head} must be even for RoPE")

@@ -109,11 +109,11 @@ def test_float32_loss_and_gradients_of_a_small_model_equal_reference(small_probl
 
 
 @pytest.mark.slow
-def test_the_loss_over_chunks_of_positions_equals_reference(small_problem):
-    """model.loss_chunks=4: the loss over a quarter of each device's positions at a time, each quarter's gradient
+def test_the_loss_over_parts_of_positions_equals_reference(small_problem):
+    """model.loss_parts=4: the loss over a quarter of each device's positions at a time, each quarter's gradient
     computed with its loss (train.cross_entropy_sum), is the same loss and gradients up to the order of sums."""
     cfg, *problem = small_problem
-    assert_float32_equals_reference(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunks=4)),
+    assert_float32_equals_reference(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_parts=4)),
                                     *problem, 4, 2)
 
 

@@ -92,7 +92,7 @@ class LayerMemory:
     """What the estimate needs besides the state, per device."""
 
     saved: list[str]  # print_saved_residuals lines of one layer (see layer_saved_values)
-    logits: jax.ShapeDtypeStruct  # one device's logits of one of the loss's runs (model.loss_chunks)
+    logits: jax.ShapeDtypeStruct  # one device's logits of one of the loss's parts (model.loss_parts)
     ring_bytes: int  # the largest set of blocks one ring step sends and receives (0 without mesh.c > 1)
     weight_bytes: int  # one layer's weights as its matmuls read them, and their f32 gradient (used_weight_bytes)
     stream_bytes: int  # one device's residual stream [B/d, L/c, M/t] in float32
@@ -102,7 +102,7 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     """For the memory report, per device: what one transformer layer keeps for its backward pass
     (print_saved_residuals lines: its input x, its weights and every value marked with
     save_for_backward, or save_in_forward_rule inside attention's custom VJP), what its ring
-    attention has in flight, the logits of one of the loss's runs and the residual stream. `layer` is
+    attention has in flight, the logits of one of the loss's parts and the residual stream. `layer` is
     the layer as the step runs it (train.training_layer with the model config bound): every argument's
     shape and sharding come from its annotation, the weights' from `state` (arrays or ShapeDtypeStructs);
     the logits' from the first of `forward`'s return annotations (train.forward: logits, routing). The
@@ -134,7 +134,7 @@ def memory_annotations(cfg, mesh, state, layer, forward) -> LayerMemory:
     jax.eval_shape(jax.shard_map(probe, mesh=mesh, in_specs=specs, out_specs=PartitionSpec(), check_vma=False), *args)
     logits = annotated(typing.get_args(inspect.signature(forward).return_annotation)[0], sizes, mesh)
     b, length, v = logits.sharding.shard_shape(logits.shape)
-    return LayerMemory(lines, jax.ShapeDtypeStruct((b, length // cfg.model.loss_chunks, v), logits.dtype), ring[0],
+    return LayerMemory(lines, jax.ShapeDtypeStruct((b, length // cfg.model.loss_parts, v), logits.dtype), ring[0],
                        weight_bytes[0], b * length * cfg.model.d_model // mesh.shape["t"] * 4)
 
 
@@ -253,7 +253,7 @@ def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[s
     saved = layer_saved_values(layer.saved)
     saved_per_layer = sum(size for _, size, _ in saved)
     outside_layers = [getattr(state.weights, f.name) for f in dataclasses.fields(state.weights) if f.name != name]
-    # Outside the layers, the unembedding, gathered over d and c (bf16), and its gradient summed over the loss's runs
+    # Outside the layers, the unembedding, gathered over d and c (bf16), and its gradient summed over the loss's parts
     # (f32): 1.5x its float32 bytes. (The embedding is not gathered: train.embed_tokens.)
     gathered = max(layer.weight_bytes, *(round(1.5 * gathered_bytes(w)) for w in outside_layers))
     logits_bytes = math.prod(layer.logits.shape) * jnp.dtype(layer.logits.dtype).itemsize
@@ -267,7 +267,7 @@ def memory_estimate(state, layer: LayerMemory, muon: dict) -> tuple[list[tuple[s
         # reduce-scattering it: 2 + 4 bytes per gathered parameter.
         ("largest gathered weights: one layer's (bf16, f32 gradient) or the unembedding's", gathered),
         (f"saved for backward: {saved_per_layer / MiB:.2f} MiB per layer x {layers} layers", saved_per_layer * layers),
-        ("logits of one of the loss's runs (f32) and their gradient", 2 * logits_bytes),
+        ("logits of one of the loss's parts (f32) and their gradient", 2 * logits_bytes),
         # train.cross_entropy_sum keeps it from the loss to the backward pass, beside every layer's saved values.
         ("the loss's gradient of the residual stream (f32)", layer.stream_bytes),
         ("Muon: the largest weight's whole matrices here, Newton-Schulz's temporaries",
