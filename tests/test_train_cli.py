@@ -69,6 +69,8 @@ def assert_untouched(run_dir):
          r"model.vocab=64 is too small for the dataset's max_token_id \d+; set model.vocab to at least \d+"),
         (["model.n_kv=3"], r"model.n_kv=3 is not divisible by mesh.t=2"),
         (["model.attention_block=48"], r"model.attention_block=48 must divide training.tokens.len=64"),
+        (["model.loss_parts=3"], r"model.loss_parts=3 must divide each device's positions, training.tokens.len / "
+                                 r"mesh.c = 64"),
         (["dataset.path=/nonexistent/data.zarr"], r"dataset '/nonexistent/data.zarr' does not exist"),
         (["training.steps=ten"], r"config key training.steps must be int, got 'ten'"),
         (["checkpoint_interval=-5"],
