@@ -21,8 +21,8 @@ import re
 from seqax.analysis import hardware, hlo
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
-# How the dtype of the bytes on the wire is shown. all_gather_cast sends bfloat16 values as their
-# uint16 bits (XLA:CPU would widen a bfloat16 collective to float32).
+# How the dtype of the bytes on the wire is shown. On a CPU all_gather_cast sends bfloat16 values as their
+# uint16 bits (XLA:CPU would widen a bfloat16 collective to float32; shardlib/bits.py).
 SHOWN_DTYPE = {"u16": "bf16 (as u16 bits)"}
 
 @dataclasses.dataclass(frozen=True)
