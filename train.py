@@ -446,16 +446,19 @@ def joined_parts(x):  # in_parts' inverse
     return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
 
 
+def losses_by_parts(arch: ModelConfig, final_norm, unembed, x, targets):
+    """token_cross_entropy [B/d, L/c] of every position, one of model.loss_parts parts at a time."""
+    return joined_parts(lax.map(lambda xs: token_cross_entropy(arch, final_norm, unembed, *xs),
+                                in_parts(arch.loss_parts, x, targets)))
+
+
 @typechecked
 def token_losses(arch: ModelConfig, w: Model, targets: u32[b"B/d L/c"],
                  is_seq_start: bool_[b"B/d L/c"]) -> tuple[f32[b"B/d L/c"], Array[b"layers", Routing]]:
     """The next-token cross-entropy of every target of packed documents: -log p(target), and each
     layer's Routing. Not for differentiating: training's loss is weighted_cross_entropy's."""
     x, routing = residual_stream(arch, w, model_inputs(targets, is_seq_start), is_seq_start)
-    unembed = gathered_unembedding(arch, w)
-    losses = lax.map(lambda xs: token_cross_entropy(arch, w.final_norm, unembed, *xs),
-                     in_parts(arch.loss_parts, x, targets))
-    return joined_parts(losses), routing
+    return losses_by_parts(arch, w.final_norm, gathered_unembedding(arch, w), x, targets), routing
 
 
 def weighted_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
@@ -470,9 +473,7 @@ def weighted_cross_entropy(arch: ModelConfig, final_norm, unembed, x, targets, w
 # in float32), and the backward pass scales the kept gradients by the sum's cotangent.
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def cross_entropy_sum(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
-    losses = lax.map(lambda xs: token_cross_entropy(arch, final_norm, unembed, *xs),
-                     in_parts(arch.loss_parts, x, targets))
-    return jnp.sum(weights * joined_parts(losses))
+    return jnp.sum(weights * losses_by_parts(arch, final_norm, unembed, x, targets))
 
 
 def cross_entropy_sum_and_gradient(arch: ModelConfig, final_norm, unembed, x, targets, weights, logit_gradient_bound):
