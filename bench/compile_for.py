@@ -42,7 +42,7 @@ import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 import train  # noqa: E402
-from seqax.analysis import memory, roofline  # noqa: E402
+from seqax.analysis import communication, memory, roofline  # noqa: E402
 from seqax.analysis.startup_report import compile_step  # noqa: E402
 from seqax.analysis.targets import TARGETS, Target  # noqa: E402
 from seqax.config import SeqaxError, load_config  # noqa: E402
@@ -81,6 +81,15 @@ def synchronous_by_op(collectives: list[roofline.Kernel]) -> dict[str, float]:
             op = c.name.split(".")[0].replace("_", "-")
             runs[op] = runs.get(op, 0) + c.runs
     return runs
+
+
+def sent_by_kind(hlo_text: str) -> dict[str, float]:
+    """MiB a device sends a step, by kind of collective (all-gather, reduce-scatter, all-reduce, ...), read off
+    each collective's HLO opcode (communication.py)."""
+    sent: dict[str, float] = {}
+    for (kind, _), sent_bytes in communication.totals(communication.step_collectives(hlo_text)).items():
+        sent[kind] = sent.get(kind, 0.0) + sent_bytes / 2**20
+    return sent
 
 
 def category(kernel: roofline.Kernel) -> str:
@@ -166,6 +175,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "collectives_per_step": sum(c.runs for c in collectives),
         "asynchronous_collectives": sum(c.runs for c in collectives if c.asynchronous),
         "synchronous_collectives_by_op": synchronous_by_op(collectives),
+        "communication_mib_by_kind": sent_by_kind(hlo_text),
         "communication_mib": sum(c.bytes * c.runs for c in collectives) / 2**20,
         "communication_seconds": model.synchronous_seconds + model.asynchronous_seconds,
         "step_seconds": model.step_seconds, "tokens_per_second": tokens / model.step_seconds,

@@ -7,7 +7,9 @@ ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR with its base flags, benchmarks/xla_fl
 those collectives there, asynchronously, while the TensorCores compute. libtpu's other way to overlap
 them, "continuation fusion" (xla_tpu_enable_async_collective_fusion), is refused by libtpu 0.0.46.3 on
 both ("not supported/recommended on platforms other than Viperlite ... incorrect results, hang, SDC").
-docs/performance.md, "TPUs: calibrated against MaxText", has what they change in tpu8_1b's step.
+Four more (set by the public TPU recipes for large slices) cover a group that spans more than one of the
+torus's dimensions, as FSDP over a whole slice does. docs/performance.md, "TPUs: calibrated against MaxText",
+has what they change in tpu8_1b's and the 8B's steps.
 """
 
 import os
@@ -19,6 +21,13 @@ SPARSECORE_COLLECTIVES = (
     "--xla_tpu_enable_sparse_core_collective_offload_all_gather=true",
     "--xla_tpu_enable_sparse_core_collective_offload_reduce_scatter=true",
     "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",
+    # A group that spans more than one of the torus's dimensions (FSDP over a whole 16x16 v6e or 4x4x8 v5p slice):
+    # without these libtpu runs such a reduce-scatter as an all-reduce of the whole array (twice the bytes, and
+    # the whole array in memory) and such an all-gather on the TensorCores, synchronously.
+    "--xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_2d_all_gather=true",
+    "--xla_tpu_enable_sparse_core_collective_offload_3d_all_gather=true",
+    "--xla_tpu_prefer_async_allgather_to_allreduce=true",  # else a v5p runs its all-gathers as all-reduces
     "--xla_tpu_enable_all_gather_offload_tracing=true",  # the offloaded collectives in a profile
     "--xla_tpu_enable_reduce_scatter_offload_tracing=true",
     "--xla_tpu_enable_all_reduce_offload_tracing=true",

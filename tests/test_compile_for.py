@@ -75,6 +75,22 @@ def test_the_collectives_of_fsdp_and_tensor_parallelism_are_found(eight_devices)
     assert not {"all-gather", "reduce-scatter"} & set(tpu["synchronous_collectives_by_op"]), tpu
 
 
+@pytest.mark.parametrize("target", ["v6e", "v5p"])
+def test_fsdp_over_a_whole_torus_reduce_scatters_and_gathers_beside_the_cores(tmp_path, target):
+    """FSDP over 16 chips, a group that spans two of the torus's dimensions (v6e 4x4) or all three (v5p
+    2x2x4): without seqax/xla_tpu.py's flags for such groups libtpu reduces the gradients by all-reducing
+    the whole array (twice a reduce-scatter's bytes, and the whole array in memory), and a v5p gathers the
+    weights synchronously (2026-12-07: no reduce-scatter, all-reduces 15.0 MiB, plan 29.4 / 32.7 MiB; the
+    8B's step 427 ms and 25.7 GiB). With them: reduce-scatters and all-gathers, beside the cores (6.8 MiB
+    reduce-scattered, 1.4 all-reduced: w_o's gradient, scattered along its last dimension, and the small
+    sums; plan 19.0 / 24.0 MiB; the 8B's step 341 ms, 19.2 GiB)."""
+    [row] = compile_for(tmp_path, target, ["local_test_synthetic"], [target], "mesh.d=16", "mesh.t=1")
+    sent = row["communication_mib_by_kind"]
+    assert sent.get("reduce-scatter", 0) > 0 and sent["all-gather"] > 0, sent
+    assert sent.get("all-reduce", 0) < 0.5 * sent["reduce-scatter"], sent
+    assert not {"all-gather", "reduce-scatter"} & set(row["synchronous_collectives_by_op"]), row
+
+
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas"])
 def test_the_roofline_counts_every_matmul_the_step_computes(tmp_path, kernel):
     """One H200 (mesh 1x1): the HLO's matmul FLOPs are the model's (6 per parameter of the matrices a
