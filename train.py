@@ -58,7 +58,8 @@ from seqax.jax_extra import explicit_activation_checkpointing, fold_in_str, save
 from seqax.kernels.attention import training_attention
 from seqax.kernels.grouped_swiglu import grouped_swiglu
 from seqax.multihost import console_name, initialize_distributed, make_mesh, run_program, wait_for_all_processes
-from seqax.muon_sharding import layer_matrices, matrix_shape, orthogonalized_here, padded_to_devices
+from seqax.muon_sharding import (fans, layer_matrices, matrix_groups, one_stack, orthogonalized_here, rows_back,
+                                 rows_first)
 from seqax.records import RunRecords, resumed
 from seqax.shardlib.float8 import E5M2
 from seqax.shardlib.shardops import all_gather, all_gather_cast, all_to_all, einsum_unreduced, global_norm
@@ -518,8 +519,8 @@ def model_loss(arch: ModelConfig, balance_weight: float, w: Model, targets, is_s
 
 # Muon's weights, read off Layer's annotations: every matrix of the layers, d_model against the rest (E
 # stacks the experts' matrices); gains, biases and the router go to AdamW (muon_sharding.layer_matrices).
-# name -> (the spec that spreads the stacked layers over all devices, each then holding whole matrices;
-# (rows, cols), how many of the last dimensions are the matrix's rows and columns). `MUON = {}`: AdamW alone.
+# name -> LayerMatrix (how the stacked layers spread over all devices, each then holding whole matrices, M
+# first). `MUON = {}`: AdamW alone.
 MUON = layer_matrices(Layer)
 NEWTON_SCHULZ_STEPS = 5
 
@@ -560,23 +561,28 @@ def newton_schulz(G, dtype):
     return X
 
 
-def muon_update(training: TrainingConfig, dtype, lr, w, g, momentum, spread: str, matrix: tuple[int, int]):
-    """One Muon step of a stacked layer weight w [layers, ...]: Nesterov momentum, then each layer's
-    matrices (`matrix`: how many of the last dimensions are rows and columns) orthogonalized by the
-    device that holds them whole, scaled by sqrt(max(1, fan_out / fan_in))
-    (modded-nanogpt's max(1, rows / cols) of torch's [out, in] layout); decoupled weight decay."""
-    beta, layers = training.muon_momentum, w.shape[0]
-    momentum = beta * momentum + (1 - beta) * g
-    g = (1 - beta) * g + beta * momentum  # Nesterov: the gradient, then the momentum it leads to
-    # Every device orthogonalizes whole matrices: the stacked layers (padded to a multiple of the devices)
-    # spread over all devices, and back to the weight's sharding (muon_sharding.py).
-    whole = all_to_all(spread, padded_to_devices(g.astype(dtype), lax.axis_size(("d", "c", "t"))))
-    update = orthogonalized_here(partial(newton_schulz, dtype=dtype), whole, matrix, layers, dtype)
+def muon_update(training: TrainingConfig, dtype, lr, names: list[str], w: Layer, g: Layer, momentum: Layer) -> dict:
+    """One Muon step of the stacked layer weights `names` of w [layers, ...], which share one shape M first
+    (muon_sharding.matrix_groups): Nesterov momentum, then each layer's matrices orthogonalized by the
+    device that holds them whole, scaled by sqrt(max(1, fan_out / fan_in)) (modded-nanogpt's
+    max(1, rows / cols) of torch's [out, in] layout); decoupled weight decay. {name: (weight, momentum)}."""
+    beta, layers = training.muon_momentum, getattr(w, names[0]).shape[0]
+    momentum = {n: beta * getattr(momentum, n) + (1 - beta) * getattr(g, n) for n in names}
+    nesterov = {n: (1 - beta) * getattr(g, n) + beta * momentum[n] for n in names}  # the gradient, then where it leads
+    # Every device orthogonalizes whole matrices: the weights' stacked layers, M first, one stack (padded to a
+    # multiple of the devices) spread over all devices, and back to the weights' sharding (muon_sharding.py).
+    spread, matrix = MUON[names[0]].spread, MUON[names[0]].matrix
+    stack = one_stack([rows_first(nesterov[n].astype(dtype), MUON[n]) for n in names], lax.axis_size(("d", "c", "t")))
+    whole = all_to_all(spread, stack)
+    update = orthogonalized_here(partial(newton_schulz, dtype=dtype), whole, matrix, len(names) * layers, dtype)
     update = all_to_all(inverse(spread), update)
-    fan_in, fan_out = matrix_shape(whole, matrix)
-    scale = math.sqrt(max(1.0, fan_out / max(fan_in, 1)))  # (fan_in 0: the empty experts of a dense model)
-    w = w - lr * (scale * update[:layers].astype(jnp.float32) + training.muon_weight_decay * w)
-    return w, momentum
+    new = {}
+    for i, n in enumerate(names):
+        fan_in, fan_out = fans(whole, MUON[n])
+        scale = math.sqrt(max(1.0, fan_out / max(fan_in, 1)))  # (fan_in 0: the empty experts of a dense model)
+        change = rows_back(update[i * layers : (i + 1) * layers], MUON[n]).astype(jnp.float32)
+        new[n] = getattr(w, n) - lr * (scale * change + training.muon_weight_decay * getattr(w, n)), momentum[n]
+    return new
 
 
 class Update(typing.NamedTuple):
@@ -609,16 +615,20 @@ def optimizer_step(cfg: Config, step, state: State, grads: Model, grad_norm, loa
     fraction = schedule(training, step)
     muon_lr, adamw_lr = training.muon_learning_rate * fraction, training.learning_rate * fraction
     clip = jnp.minimum(1.0, training.grad_clip / jnp.maximum(grad_norm, 1e-30))
+    grads = jax.tree.map(lambda g: g * clip, grads)
+    muon = {}  # name -> (weight, momentum): the weights MUON names, a group of one shape (M first) at a time
+    for names in matrix_groups(MUON, cfg.model.layers, lax.axis_size(("d", "c", "t"))):
+        muon |= muon_update(training, cfg.model.operand_dtype, muon_lr, names, state.weights.layers, grads.layers,
+                            state.muon_momentum.layers)
 
     def update(path, w, g, momentum, mu, nu) -> Update:  # the state holds momentum or moments, None for the other
         rule = optimizer_of(path)
         if rule == "muon":
-            w, momentum = muon_update(training, cfg.model.operand_dtype, muon_lr, w, g * clip, momentum,
-                                      *MUON[path[-1].name])
+            w, momentum = muon[path[-1].name]
         elif rule == "balance":
             w = balance_update(training, w, load)
         else:
-            w, mu, nu = adamw_update(training, step, adamw_lr, w, g * clip, mu, nu)
+            w, mu, nu = adamw_update(training, step, adamw_lr, w, g, mu, nu)
         return Update(w, momentum, mu, nu)
 
     updates = jax.tree_util.tree_map_with_path(update, state.weights, grads, state.muon_momentum, state.adam_mu,

@@ -21,6 +21,15 @@ def transposed_weight(w):
     return jnp.transpose(w)
 
 
+def in_default_layout(x):
+    """x, materialized behind an optimization barrier, so in the default (row-major) layout. XLA:CPU
+    splits an all-to-all into one operand per device's block; where a block is a slice of a concatenation,
+    its algebraic simplifier takes the concatenated array itself, and its layout assignment then lays a
+    transposed one out as the untransposed (no copy): operands of different layouts, which the HLO
+    verifier rejects."""
+    return lax.optimization_barrier(x)
+
+
 def materialized_transpose(x):
     """x [n, r, c] as [n, c, r], materialized behind an optimization barrier: XLA:CPU would otherwise fold
     the transpose of a stack of bfloat16 matrices into a batched dot that its runtime cannot run

@@ -12,6 +12,7 @@ from fixtures import abstract_state, make_mesh
 from seqax.analysis import communication
 from seqax.analysis.startup_report import compile_step
 from seqax.config import load_config
+from seqax.muon_sharding import matrix_groups
 
 
 def test_bytes_of_a_ring_collective():
@@ -63,16 +64,17 @@ def test_the_compiled_step_sends_what_the_code_says(d, t, c):
     gathered = [w for w in jax.tree.leaves(layers) if splits(w, ("d", "c")) > 1 and w.size]
     weight_gathers = [c for c in collectives if c.kind == "all-gather" and c.dtype == "u16"]
     assert sum(c.runs for c in weight_gathers) == len(gathered) * cfg.model.layers + 1
-    # Muon: each of its weights goes to whole matrices and back, as bf16 bits, by all-to-alls over
-    # the axes that split it (d and c, then t): each sends all but its own block of the weight's
-    # layers, padded to a multiple of the devices, once each way.
+    # Muon: each group of its weights that share one shape, M first, goes to whole matrices and back as one
+    # stack, as bf16 bits, by all-to-alls over the axes that split it (d and c, then t): each sends all but
+    # its own block of the group's layers, padded to a multiple of the devices, once each way.
     devices = d * t * c
     expected, runs = 0.0, 0
-    for name in train.MUON:
-        w = getattr(layers, name)
+    for names in matrix_groups(train.MUON, cfg.model.layers, devices):
+        w = getattr(layers, names[0])
         if not w.size:
             continue
-        padded_elements = -(-w.shape[0] // devices) * devices * math.prod(w.sharding.shard_shape(w.shape)[1:])
+        stacked = w.shape[0] * len(names)
+        padded_elements = -(-stacked // devices) * devices * math.prod(w.sharding.shard_shape(w.shape)[1:])
         for group in (splits(w, ("d", "c")), splits(w, ("t",))):
             if group > 1:
                 expected += 2 * (group - 1) / group * padded_elements * 2

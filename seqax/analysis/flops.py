@@ -6,6 +6,7 @@ import math
 
 import jax
 
+from seqax.muon_sharding import matrices_of, matrix_groups
 from seqax.shardlib.shardtypes import leaf_dims
 
 
@@ -30,13 +31,19 @@ def model_flops_per_token(arch, seq_len: int, init_weights) -> float:
 
 def newton_schulz_flops(arch, devices: int, init_weights, muon: dict, steps: int) -> tuple[float, float]:
     """FLOPs of a step's Newton-Schulz iterations (`steps` a step) on the weights `muon` names
-    (train.MUON: name -> (spread spec, (rows, cols))), in all and on the busiest of `devices` (the layers
-    spread as train.muon_update spreads them): per matrix, wide as r x c, each step multiplies X X^T
-    (2 r^2 c), A A (2 r^3) and B X (2 r^2 c)."""
+    (train.MUON: name -> muon_sharding.LayerMatrix), in all and on the busiest of `devices` (the first,
+    which holds ceil(group's layers / devices) layers of every group: train.muon_update spreads the
+    layers of each group of same-shaped weights, muon_sharding.matrix_groups, over the devices): per
+    matrix, wide as r x c, each step multiplies X X^T (2 r^2 c), A A (2 r^3) and B X (2 r^2 c)."""
     w = jax.eval_shape(lambda: init_weights(arch, jax.random.key(0))).layers
-    per_layer = 0
-    for name, (_, (rows, cols)) in muon.items():
-        shape = getattr(w, name).shape[1:]
-        r, c = sorted((math.prod(shape[-rows - cols : -cols]), math.prod(shape[-cols:])))
-        per_layer += steps * math.prod(shape[: -rows - cols]) * (4 * r * r * c + 2 * r**3)
-    return arch.layers * per_layer, -(-arch.layers // devices) * per_layer
+
+    def per_layer(name):  # one layer's matrices of the weight (one per expert for the experts')
+        matrices, *shape = matrices_of(getattr(w, name).shape[1:], muon[name])
+        r, c = sorted(shape)
+        return steps * matrices * (4 * r * r * c + 2 * r**3)
+
+    total = busiest = 0
+    for names in matrix_groups(muon, arch.layers, devices):
+        total += arch.layers * sum(per_layer(name) for name in names)
+        busiest += -(-arch.layers * len(names) // devices) * per_layer(names[0])
+    return total, busiest

@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from seqax.analysis import hlo
 from seqax.config import MODEL_DIMENSIONS, ConfigError
 from seqax.jax_extra import SAVED_NAME, explicit_activation_checkpointing
+from seqax.muon_sharding import matrices_of, matrix_groups
 from seqax.shardlib.shardops import FLOAT8_OPERAND_NAME
 from seqax.shardlib.shardtypes import ArrayType, Stacked, make_partition_specs
 
@@ -223,18 +224,20 @@ def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list
 
 
 def muon_bytes(layer_weights, muon: dict) -> int:
-    """Bytes per device of Muon's largest orthogonalization (train.muon_update, one weight at a
-    time): ceil(layers / devices) layers' whole matrices of the weight (one per expert for the experts'),
-    r x c wide, on each device, sent
-    and received in bf16 (2 + 2 bytes an element) with Newton-Schulz's temporaries (X in f32 and
-    bf16, X^T, B X and the next X: 16 bytes an element; A = X X^T, A A and B in f32 and bf16: 16
-    bytes an element of the r x r Gram matrix). `muon` is train.MUON: weight -> (spec, (rows, cols))."""
+    """Bytes per device of Muon's largest orthogonalization (train.muon_update, one group of same-shaped
+    weights at a time, muon_sharding.matrix_groups): ceil(the group's layers / devices) layers' whole
+    matrices (one per expert for the experts'), r x c wide, on each device, sent and received in bf16
+    (2 + 2 bytes an element) with Newton-Schulz's temporaries (X in f32 and bf16, X^T, B X and the next X:
+    16 bytes an element; A = X X^T, A A and B in f32 and bf16: 16 bytes an element of the r x r Gram
+    matrix). `muon` is train.MUON: weight -> LayerMatrix."""
     largest = 0
-    for name, (_, (rows, cols)) in muon.items():
-        w = getattr(layer_weights, name)
-        per_device = -(-w.shape[0] // w.sharding.mesh.size) * math.prod(w.shape[1 : w.ndim - rows - cols])
-        r, c = sorted((math.prod(w.shape[-rows - cols : -cols]), math.prod(w.shape[-cols:])))
-        largest = max(largest, per_device * (20 * r * c + 16 * r * r))
+    any_weight = jax.tree.leaves(layer_weights)[0]
+    for names in matrix_groups(muon, any_weight.shape[0], any_weight.sharding.mesh.size):
+        w = getattr(layer_weights, names[0])
+        per_layer, *shape = matrices_of(w.shape[1:], muon[names[0]])
+        r, c = sorted(shape)
+        matrices = -(-w.shape[0] * len(names) // w.sharding.mesh.size) * per_layer
+        largest = max(largest, matrices * (20 * r * c + 16 * r * r))
     return largest
 
 
