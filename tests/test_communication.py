@@ -93,9 +93,12 @@ def test_the_compiled_step_sends_what_the_code_says(d, t, c):
     assert sum(x.runs for x in rows) == 2 * len(moved)
     assert sum(x.bytes_sent * x.runs for x in rows) == pytest.approx(
         2 * sum((g - 1) / g for g in moved) * B * L * M // (d * c) * 4, rel=1e-9)
-    # The ring: key and value blocks travel as bf16 bits, their gradients in f32; none without c.
-    assert ({x.dtype for x in collectives if x.kind == "collective-permute"}
-            == ({"u16", "u32", "f32"} if c > 1 else set()))
+    # The ring: key and value blocks travel as bf16 bits, their gradients in f32; none without c. The
+    # gradients of each shard's k and v take c - 1 hops round the ring and one home: 2 c a layer (the first
+    # step, on the device's own shard, sends no zeros ahead).
+    permutes = [x for x in collectives if x.kind == "collective-permute"]
+    assert {x.dtype for x in permutes} == ({"u16", "u32", "f32"} if c > 1 else set())
+    assert sum(x.runs for x in permutes if x.dtype == "f32") == (2 * c * cfg.model.layers if c > 1 else 0)
     if t == 1:  # FSDP only: weights go as bf16 bits and the token ids as u32, gradients come back in f32
         assert {c.dtype for c in collectives if c.kind == "reduce-scatter"} == {"f32"}
         assert {c.dtype for c in collectives if c.kind == "all-gather"} == {"u16", "u32"}

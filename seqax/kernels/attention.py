@@ -252,20 +252,24 @@ def ring_attention_backward(block: int, saved, do):
     delta = einsum_unreduced("B/d L Q K/t D, B/d L Q K/t D -> B/d L Q K/t", do, o)
     delta_blocks = einsum_unreduced("B/d N L Q K/t -> B/d N K/t Q L", to_blocks(delta, block))
 
+    def over_shard(kv):
+        return backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks, q_position_blocks,
+                                   kv, block)
+
     def ring_step(carry, _):
         dq, kv, dk_dv = carry
         # Both transfers start before this step's work, so that they can overlap it: the next
-        # shard, and the gradients of the shard held last step on to its next holder (step 0
-        # passes zeros: one transfer more than the c a ring needs, the price of the overlap).
+        # shard, and the gradients of the shard held last step on to its next holder.
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))
         dk_in, dv_in = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)
-        dq_step, dk, dv = backward_over_shard(q_blocks, do_blocks, delta_blocks, log_sum_exp, q_start_blocks,
-                                              q_position_blocks, kv, block)
+        dq_step, dk, dv = over_shard(kv)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
-    dq = jnp.zeros_like(q_blocks, jnp.float32)
-    dk_dv = (jnp.zeros_like(kv[0], jnp.float32), jnp.zeros_like(kv[1], jnp.float32))
-    (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, kv, dk_dv), None, length=axis_size("c"))
+    # The own shard's step outside the loop: its gradients start the sums (no zeros added or sent), and
+    # the loop runs the c - 1 steps of the others' shards.
+    arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, kv))
+    dq, *dk_dv = over_shard(kv)
+    (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, arriving, tuple(dk_dv)), None, length=axis_size("c") - 1)
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
     dq, dk, dv = (from_head_blocks(dq.astype(q_blocks.dtype)), from_head_blocks(dk.astype(kv[0].dtype)),
                   from_head_blocks(dv.astype(kv[1].dtype)))

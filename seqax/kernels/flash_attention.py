@@ -126,9 +126,11 @@ def ring_forward(q, shard, tiling: Tiling):
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, shard))  # sent before the work
         return (*merge(o, lse, *attend(held(shard, q.dtype), F32)), arriving), None
 
-    # zeros_like and full_like: the carry varies over the same mesh axes as q
-    o, lse = jnp.zeros_like(q, F32), jnp.full_like(q[..., 0], -jnp.inf, F32)
-    (o, lse, _), _ = lax.scan(ring_step, (o, lse, carried(shard)), None, length=axis_size("c"))
+    # The own shard's step outside the loop: its result starts the merge (no pass over a zero o), and the
+    # loop runs the c - 1 steps of the others' shards, each passing its shard on before the work.
+    arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, carried(shard)))
+    o, lse = attend(shard, F32)
+    (o, lse, _), _ = lax.scan(ring_step, (o, lse, arriving), None, length=axis_size("c") - 1)
     return o.astype(q.dtype), lse
 
 
@@ -153,14 +155,16 @@ def ring_backward(tiling: Tiling, saved, do):
     def ring_step(carry, _):
         dq, shard, dk_dv = carry
         # Both transfers start before the work: the next shard, and the gradients of the shard held
-        # last step on to its next holder (step 0 passes zeros, the price of the overlap).
+        # last step on to its next holder.
         arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, shard))
         dk_in, dv_in = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)
         dq_step, dk, dv = gradients(held(shard, q.dtype), F32)
         return (dq + dq_step, arriving, (dk_in + dk, dv_in + dv)), None
 
-    carry = (jnp.zeros_like(q, F32), carried(own), (jnp.zeros_like(k, F32), jnp.zeros_like(v, F32)))
-    (dq, _, dk_dv), _ = lax.scan(ring_step, carry, None, length=axis_size("c"))
+    # The own shard's step outside the loop, as in ring_forward: its gradients start the sums.
+    arriving = tuple(ring_pass(spec, x, "c") for spec, x in zip(KV_SPECS, carried(own)))
+    dq, dk, dv = gradients(own, F32)
+    (dq, _, dk_dv), _ = lax.scan(ring_step, (dq, arriving, (dk, dv)), None, length=axis_size("c") - 1)
     dk, dv = (ring_pass(KV_SPECS[0], g, "c") for g in dk_dv)  # the last holder sends them home
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None  # integers: no cotangent
 
