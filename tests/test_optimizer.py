@@ -13,7 +13,7 @@ import pytest
 
 import train
 from fixtures import make_mesh, metrics_on_meshes, tiny_config
-from seqax import config
+from seqax import config, muon_sharding
 from seqax.shardlib.shardops import global_norm
 from seqax.shardlib.shardtypes import f32, make_shardings, typed_shard_map, u32
 
@@ -120,6 +120,41 @@ def test_a_wrong_iteration_misses_the_bound():
     with np.errstate(over="ignore", invalid="ignore"):  # G's singular values above 1 blow up
         unnormalized = relative(iterate(G), want)
     assert not np.isfinite(unnormalized) or unnormalized > 16 * U
+
+
+# ---------------------------------------------------------------------------------------------
+# Muon's groups: weights of one shape with d_model first spread and orthogonalize together, as long as
+# that gives no device more matrices than one weight alone would.
+
+
+@pytest.mark.parametrize("layers,devices,largest", [(32, 256, 3), (3, 8, 2), (16, 8, 1), (16, 1, 1), (20, 8, 1)])
+def test_same_shaped_weights_go_together_while_no_device_holds_more(layers, devices, largest):
+    groups = muon_sharding.matrix_groups(train.MUON, layers, devices)
+    assert sorted(n for g in groups for n in g) == sorted(train.MUON)  # each weight once
+    assert max(len(g) for g in groups) == largest
+    for g in groups:
+        assert len({train.MUON[n].spread for n in g}) == 1  # one spread, so one shape with M first
+        assert -(-layers * len(g) // devices) <= -(-layers // devices)  # no device holds more matrices
+    if largest == 3:
+        assert ["w_q", "w_o"] in groups and ["w_k", "w_v"] in groups and ["w_gate", "w_up", "w_down"] in groups
+
+
+def test_a_weight_with_d_model_last_goes_as_its_transpose_and_keeps_its_scale():
+    """w_o [Q K D, M] and expert_down [E, H, M] are moved M first (and back), to w_q's and expert_gate's
+    shapes; their fans are the stored weight's (w_o maps Q K D inputs to M outputs)."""
+    w = jax.eval_shape(lambda: train.init_weights(tiny_config("+model.experts=4", "+model.experts_per_token=2",
+                                                              "+model.expert_d_ff=24", "+model.expert_block=8").model,
+                                                  jax.random.key(0))).layers
+    for moved, like in (("w_o", "w_q"), ("w_down", "w_gate"), ("expert_down", "expert_gate")):
+        x = np.arange(np.prod(getattr(w, moved).shape), dtype=np.float32).reshape(getattr(w, moved).shape)
+        first = muon_sharding.rows_first(jnp.asarray(x), train.MUON[moved])
+        assert first.shape == getattr(w, like).shape, moved
+        np.testing.assert_array_equal(muon_sharding.rows_back(first, train.MUON[moved]), x)
+        count, rows, cols = muon_sharding.matrices_of(getattr(w, moved).shape[1:], train.MUON[moved])
+        assert (count, rows, cols) == muon_sharding.matrices_of(getattr(w, like).shape[1:], train.MUON[like])
+        assert muon_sharding.fans(first, train.MUON[moved]) == (cols, rows)  # fan_in: the heads (or F, H)
+        assert muon_sharding.fans(first, train.MUON[like]) == (rows, cols)  # fan_in: d_model
+    assert train.MUON["w_o"].spread == train.MUON["w_q"].spread and train.MUON["w_o"].m_last
 
 
 # ---------------------------------------------------------------------------------------------
