@@ -14,7 +14,8 @@ weights' layers can go to the devices as one stack, one spread and one orthogona
 few layers and many devices that matters: on 256 devices, 32 layers of seven weights spread one weight at
 a time keep 32 devices busy seven times over; in three groups (q with o, k with v, gate and up with down),
 64 or 96 devices three times. With as many layers as devices or more, a group would only give each
-device more matrices at once: weights go together only while that costs no device more (matrix_groups).
+device more matrices at once: weights go together only while no device gets more to orthogonalize
+(matrix_groups).
 """
 
 import dataclasses
@@ -65,8 +66,9 @@ def layer_matrices(layer) -> dict[str, LayerMatrix]:
 def matrix_groups(muon: dict[str, LayerMatrix], layers: int, devices: int) -> list[list[str]]:
     """The names of `muon` (train.MUON) in groups that share one spread, so one shape M first, and whose
     `layers` layers each go to the `devices` devices as one stack: as many weights as fill the
-    ceil(layers / devices) layers a device would hold of one weight alone, so that a group costs no device
-    more time or memory than one weight (on one device, every weight alone). In `muon`'s order."""
+    ceil(layers / devices) layers a device would hold of one weight alone, so that no device orthogonalizes
+    more matrices at once than for one weight (on one device, every weight alone; the stack itself, the
+    group's weights side by side before the spread, is a copy more). In `muon`'s order."""
     size = max(1, -(-layers // devices) * devices // max(layers, 1))  # weights a group holds at most
     shapes = {}
     for name, matrix in muon.items():
@@ -103,7 +105,7 @@ def one_stack(stacks: list, devices: int):
 
 
 def matrix_shape(whole, matrix: tuple[int, int]) -> tuple[int, int]:
-    """(rows, cols) of the matrices of `whole` [..., rows dims, cols dims]: M first, (fan_in, fan_out)."""
+    """(rows, cols) of the matrices of `whole` [..., rows dims, cols dims] (M first: fans() says which is fan_in)."""
     rows, cols = matrix
     return math.prod(whole.shape[-rows - cols : -cols]), math.prod(whole.shape[-cols:])
 
@@ -119,12 +121,11 @@ def orthogonalized_here(orthogonalize, whole, matrix: tuple[int, int], layers: i
     """orthogonalize(matrices [n, r, c], r <= c) -> float32, applied to the whole matrices this device
     holds after the spread (`whole` [layers / devices, ...]); a tall matrix goes as its transpose. A
     device that holds only padding layers (past `layers`) skips the work. Returns `dtype`, shaped as whole."""
-    fan_in, fan_out = matrix_shape(whole, matrix)
-    rows, cols = matrix
-    matrices = whole.reshape(math.prod(whole.shape[: -rows - cols]), fan_in, fan_out)
+    r, c = matrix_shape(whole, matrix)
+    matrices = whole.reshape(math.prod(whole.shape[: -sum(matrix)]), r, c)
 
     def wide(x):
-        return materialized_transpose(x) if fan_in > fan_out else x
+        return materialized_transpose(x) if r > c else x
 
     def skip(matrices):
         return jnp.zeros_like(matrices, jnp.float32)

@@ -1,6 +1,7 @@
 """Workarounds for XLA:CPU, one function each: the same values on every platform, computed in a way
-that XLA:CPU compiles or runs faster (or, for materialized_transpose, at all). The GPU and TPU programs
-are the same with or without each (docs/performance.md, "XLA:CPU notes", has the measurements)."""
+that XLA:CPU compiles or runs faster (or, for materialized_transpose and in_default_layout, at all). The
+GPU and TPU programs run as fast with or without each (docs/performance.md, "XLA:CPU notes" and "Muon's
+same-shaped matrices", has the measurements)."""
 
 import jax
 import jax.numpy as jnp
