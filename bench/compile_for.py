@@ -74,12 +74,11 @@ class CompilerError(SeqaxError):
 
 
 def synchronous_by_op(collectives: list[roofline.Kernel]) -> dict[str, float]:
-    """Runs a step of the collectives the compiler does not overlap, by HLO op (all-gather, all-to-all, ...)."""
+    """Runs a step of the collectives the compiler does not overlap, by HLO opcode (all-gather, all-to-all, ...)."""
     runs: dict[str, float] = {}
     for c in collectives:
         if not c.asynchronous:
-            op = c.name.split(".")[0].replace("_", "-")
-            runs[op] = runs.get(op, 0) + c.runs
+            runs[c.opcode] = runs.get(c.opcode, 0) + c.runs
     return runs
 
 

@@ -220,6 +220,23 @@ def test_collectives_take_their_links_and_only_what_is_not_overlapped_is_exposed
     assert model.exposed_communication_seconds == pytest.approx(inside.seconds + across.seconds)
 
 
+def test_a_kernel_carries_its_opcode_whatever_its_name():
+    """JAX names some instructions itself (psum_invariant.2 is an all-reduce): what reads kernels by kind of
+    collective (compile_for's synchronous collectives by op) takes the opcode, not the name."""
+    text = module("""%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}""", entry="""ENTRY %main (x: f32[1000]) -> f32[1000] {
+  %x = f32[1000]{0} parameter(0)
+  ROOT %psum_invariant.2 = f32[1000]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+}""")
+    [kernel] = step(text).kernels
+    assert (kernel.name, kernel.opcode, kernel.kind) == ("psum_invariant.2", "all-reduce", "collective")
+    by_name = {k.name: k.opcode for k in step(module(entry=COLLECTIVES)).kernels}
+    assert by_name["all-gather-start.1"] == "all-gather-start" and by_name["all-gather.2"] == "all-gather"
+
+
 def test_the_python_stack_of_a_kernel_is_read_from_the_module():
     text = """HloModule m
 

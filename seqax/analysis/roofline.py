@@ -75,6 +75,7 @@ class Rates:
 @dataclasses.dataclass
 class Kernel:
     name: str  # the instruction's name in the optimized HLO
+    opcode: str  # its HLO opcode (the name can be JAX's: "psum_invariant.2" is an all-reduce)
     # "matmul", "attention", "memory" (everything else that computes), "collective", or a DMA: "host transfer"
     # (to or from the host's memory), "device transfer" (within the device)
     kind: str
@@ -282,7 +283,7 @@ def kernels(module: hlo.Module, rates: Rates) -> list[Kernel]:
 
     def add(computation: str, inst: hlo.Instruction, runs: float, out: list, kind: str, flops=0.0, other=0.0,
             nbytes=0.0, asynchronous=False, float8=0.0):
-        kernel = Kernel(inst.name, kind, runs, flops, other, nbytes, 0.0, asynchronous,
+        kernel = Kernel(inst.name, inst.opcode, kind, runs, flops, other, nbytes, 0.0, asynchronous,
                         module.stack(inst.stack_frame), inst.op_name, float8)
         kernel.seconds = cost(kernel)
         out.append(kernel)
