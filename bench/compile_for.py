@@ -9,8 +9,8 @@ Each config is compiled for each target on as many devices as its mesh has (GPUs
 chips: the smallest slice), with the real step (startup_report.compile_step) on abstract state: no
 device, no dataset. Targets: seqax/analysis/targets.py (h100, h200, b200, v5e, v5p, v6e). For each it prints
 the compile time; memory per device as the target's compiler plans it (memory_analysis), against
-the device's memory and memory.py's estimate; the collectives (bytes as communication.py counts
-them), and how many the compiler made asynchronous; and the roofline (roofline.py,
+the device's memory and memory.py's estimate; the collectives (the bytes one device sends, by kind, as
+the roofline prices them), and how many the compiler made asynchronous; and the roofline (roofline.py,
 docs/roofline.md): step time, tokens/s, MFU ceiling, the time by kind, the costliest kernels with
 the code they came from.
 """
@@ -42,7 +42,7 @@ import jax  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
 import train  # noqa: E402
-from seqax.analysis import communication, memory, roofline  # noqa: E402
+from seqax.analysis import memory, roofline  # noqa: E402
 from seqax.analysis.startup_report import compile_step  # noqa: E402
 from seqax.analysis.targets import TARGETS, Target  # noqa: E402
 from seqax.config import SeqaxError, load_config  # noqa: E402
@@ -82,12 +82,13 @@ def synchronous_by_op(collectives: list[roofline.Kernel]) -> dict[str, float]:
     return runs
 
 
-def sent_by_kind(hlo_text: str) -> dict[str, float]:
-    """MiB a device sends a step, by kind of collective (all-gather, reduce-scatter, all-reduce, ...), read off
-    each collective's HLO opcode (communication.py)."""
+def sent_by_kind(collectives: list[roofline.Kernel]) -> dict[str, float]:
+    """MiB a device sends a step, by kind of collective (all-gather, reduce-scatter, all-reduce, ...): each
+    collective's HLO opcode, an asynchronous one's without its "-start"."""
     sent: dict[str, float] = {}
-    for (kind, _), sent_bytes in communication.totals(communication.step_collectives(hlo_text)).items():
-        sent[kind] = sent.get(kind, 0.0) + sent_bytes / 2**20
+    for c in collectives:
+        kind = c.opcode.removesuffix("-start")
+        sent[kind] = sent.get(kind, 0.0) + c.bytes * c.runs / 2**20
     return sent
 
 
@@ -174,7 +175,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "collectives_per_step": sum(c.runs for c in collectives),
         "asynchronous_collectives": sum(c.runs for c in collectives if c.asynchronous),
         "synchronous_collectives_by_op": synchronous_by_op(collectives),
-        "communication_mib_by_kind": sent_by_kind(hlo_text),
+        "communication_mib_by_kind": sent_by_kind(collectives),
         "communication_mib": sum(c.bytes * c.runs for c in collectives) / 2**20,
         "communication_seconds": model.synchronous_seconds + model.asynchronous_seconds,
         "step_seconds": model.step_seconds, "tokens_per_second": tokens / model.step_seconds,
