@@ -105,15 +105,6 @@ def _barrier(name: str):
         multihost_utils.sync_global_devices(name)
 
 
-def _identity(path: str) -> tuple[int, int] | None:
-    """(device, inode) of an existing path, else None."""
-    try:
-        stat = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return stat.st_dev, stat.st_ino
-
-
 def _touch(path: str):
     with open(path, "w"):
         pass
@@ -163,7 +154,7 @@ class Checkpointer:
             raise ConfigError(f"checkpoints.keep={cfg.keep} must be >= 0 (0 keeps all) "
                               f"and checkpoints.threads={cfg.threads} >= 1")
         self.directory, self.cfg, self.finite_only = directory, cfg, finite_only
-        self._parent = _identity(os.path.dirname(directory))  # the run directory, if it exists yet
+        self._parent = run_lock.path_identity(os.path.dirname(directory))  # the run directory, if it exists yet
         self._lock = run_lock.lock_identity(os.path.dirname(directory))  # a training run's lock, if it holds one
         self.process = jax.process_index()
         token = np.frombuffer(uuid.uuid4().bytes, np.uint8)
@@ -266,7 +257,7 @@ class Checkpointer:
         saves the most CPU time of a small checkpoint."""
         if os.path.exists(path):
             raise FileExistsError(f"checkpoint {path} already exists; restore() removes uncommitted ones before saving")
-        parent = _identity(os.path.dirname(self.directory))
+        parent = run_lock.path_identity(os.path.dirname(self.directory))
         if self._parent is not None and parent != self._parent:  # a run directory deleted stays deleted
             raise FileNotFoundError(errno.ENOENT, "deleted or replaced since the run started, not recreated",
                                     os.path.dirname(self.directory))

@@ -76,13 +76,19 @@ def hold(run_dir: str):
             os.close(fd)
 
 
-def lock_identity(run_dir: str) -> tuple[int, int] | None:
-    """(device, inode) of `run_dir`'s lock file, None when it has none."""
+def path_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of an existing file or directory, else None: the same while it is the same one, another
+    once it is deleted and made again."""
     try:
-        stat = os.stat(os.path.join(run_dir, LOCK_FILE))
+        stat = os.stat(path)
     except FileNotFoundError:
         return None
     return stat.st_dev, stat.st_ino
+
+
+def lock_identity(run_dir: str) -> tuple[int, int] | None:
+    """path_identity of `run_dir`'s lock file, None when it has none."""
+    return path_identity(os.path.join(run_dir, LOCK_FILE))
 
 
 def check_in_place(run_dir: str, identity: tuple[int, int]):

@@ -38,7 +38,7 @@ from fixtures import (
     tiny_overrides,
     train_args,
 )
-from seqax import checkpoint, run_lock, sharded_zarr
+from seqax import run_lock, sharded_zarr
 from seqax.checkpoint import Checkpointer
 from seqax.config import CheckpointConfig, CheckpointError, ConfigError, DivergedError, OutputError
 from seqax.shardlib.shardtypes import make_shardings
@@ -331,7 +331,7 @@ def test_a_run_directory_deleted_during_a_save_is_not_made_again(tmp_path, monke
     with run_lock.hold(str(run)) if locked else contextlib.nullcontext():
         checkpointer = Checkpointer(str(run / "checkpoints"), checkpoint_config())
         if when == "checked":
-            identity = checkpoint._identity
+            identity = run_lock.path_identity
 
             def identity_then_delete(path):
                 found = identity(path)
@@ -339,7 +339,7 @@ def test_a_run_directory_deleted_during_a_save_is_not_made_again(tmp_path, monke
                     shutil.rmtree(run)
                 return found
 
-            monkeypatch.setattr(checkpoint, "_identity", identity_then_delete)
+            monkeypatch.setattr(run_lock, "path_identity", identity_then_delete)
         else:
             wait_for = Checkpointer._wait
 
