@@ -11,8 +11,8 @@ device, no dataset. Targets: seqax/analysis/targets.py (h100, h200, b200, v5e, v
 the compile time; memory per device as the target's compiler plans it (memory_analysis), against
 the device's memory and memory.py's estimate; the collectives (the bytes one device sends, by kind, as
 the roofline prices them), and how many the compiler made asynchronous; and the roofline (roofline.py,
-docs/roofline.md): step time, tokens/s, MFU ceiling, the time by kind, the costliest kernels with
-the code they came from.
+docs/roofline.md): step time, tokens/s, MFU ceiling, the time by kind, and the costliest lines of train.py
+(the kernels of each line and JAX operation summed over the layers, forward and backward).
 """
 
 import os
@@ -165,7 +165,6 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
     tokens = cfg.training.tokens.batch * cfg.training.tokens.len
     model_flops = train.model_flops_per_token(cfg.model, cfg.training.tokens.len) * tokens / devices
     seconds = model.seconds_by(category)
-    costliest = sorted((k for k in model.kernels if k.computes), key=lambda k: -k.total_seconds)[:top]
     return {
         "config": config, "target": target.name, "devices": devices, "topology": target.topology(devices)[0],
         "mesh": f"d={cfg.mesh.d} t={cfg.mesh.t} c={cfg.mesh.c}", "tokens_per_step": tokens,
@@ -185,11 +184,29 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
         "hlo_float8_matmul_tflop_per_device": model.float8_matmul_flops / 1e12,
         "kernels_per_step": model.launches,
         "seconds_by_kind": {kind: seconds.get(kind, 0.0) for kind in KINDS},
-        "costliest": [{"name": k.name, "kind": category(k), "runs": k.runs, "seconds": k.total_seconds,
-                       "share": k.total_seconds / model.step_seconds, "tflop": k.flops * k.runs / 1e12,
-                       "gb": k.bytes * k.runs / 1e9, "where": where(k), "op": k.op_name.rsplit("/", 1)[-1]}
-                      for k in costliest],
+        "costliest": costliest_lines(model.kernels, model.step_seconds)[:top],
     }
+
+
+def costliest_lines(kernels: list[roofline.Kernel], step_seconds: float) -> list[dict]:
+    """The kernels that compute, summed by where they came from (train.py's line and the JAX operation, with their
+    kind), costliest first: the layers' copies of one line (an unrolled loop's, a kernel a layer) and its forward
+    and backward kernels are one row, whose runs are theirs all together."""
+    lines: dict[tuple, dict] = {}
+    for k in kernels:
+        if not k.computes:
+            continue
+        key = (category(k), where(k), k.op_name.rsplit("/", 1)[-1])
+        line = lines.setdefault(key, {"name": k.name, "kind": key[0], "where": key[1], "op": key[2], "kernels": 0,
+                                      "runs": 0.0, "seconds": 0.0, "tflop": 0.0, "gb": 0.0})
+        line["kernels"] += 1
+        line["runs"] += k.runs
+        line["seconds"] += k.total_seconds
+        line["tflop"] += k.flops * k.runs / 1e12
+        line["gb"] += k.bytes * k.runs / 1e9
+    for line in lines.values():
+        line["share"] = line["seconds"] / step_seconds
+    return sorted(lines.values(), key=lambda line: -line["seconds"])
 
 
 def report(row: dict) -> str:
@@ -209,7 +226,7 @@ def report(row: dict) -> str:
              "  where the time goes:"]
     lines += [f"    {kind:<30} {seconds * 1e3:9.1f} ms {seconds / row['step_seconds']:6.1%}"
               for kind, seconds in row["seconds_by_kind"].items()]
-    lines.append("  costliest kernels:")
+    lines.append("  costliest lines of train.py (their kernels summed over the layers, forward and backward):")
     lines += [f"    {k['seconds'] * 1e3:8.2f} ms {k['share']:6.1%}  x{k['runs']:<6.0f} {k['kind']:<30} "
               f"{k['tflop']:7.2f} TFLOP {k['gb']:8.1f} GB  {k['where']} ({k['op']})" for k in row["costliest"]]
     return "\n".join(lines)
@@ -220,7 +237,8 @@ def main(argv=None):
     parser.add_argument("--config", nargs="+", required=True, help="config names (configs/NAME.yaml)")
     parser.add_argument("--target", nargs="+", required=True, choices=sorted(TARGETS), help="devices to compile for")
     parser.add_argument("--json", help="also write the rows there, as a JSON list")
-    parser.add_argument("--top", type=int, default=10, help="how many of the costliest kernels to list")
+    parser.add_argument("--top", type=int, default=10,
+                        help="how many of the costliest lines of train.py to list (kernels summed by line and op)")
     parser.add_argument("overrides", nargs="*", help="hydra overrides for every config, after --")
     args = parser.parse_args(argv)
     rows = []

@@ -21,9 +21,10 @@ import jax
 import pytest
 
 import train
-from bench import compare_commits, measure_step, memory, mesh_agreement, throughput
+from bench import compare_commits, compile_for, measure_step, memory, mesh_agreement, throughput
 from fixtures import TINY, synthetic_dataset
 from seqax import config
+from seqax.analysis.roofline import Kernel
 from seqax.validation import validate_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -420,3 +421,27 @@ def test_throughput_kills_a_child_whose_start_a_sigterm_interrupts(tmp_path, mon
         signal.signal(signal.SIGTERM, previous)
     assert stopped.value.code == 128 + signal.SIGTERM
     assert started and started[0].poll() == -signal.SIGKILL  # killed and reaped
+
+
+def test_compile_for_lists_the_costliest_lines_with_their_layers_kernels_summed():
+    """compile_for's costliest lines: the kernels that compute, summed by train.py's line and the JAX operation
+    (an unrolled loop's layers each have their own kernels of one line, and the forward and backward theirs), the
+    costliest first; a collective is not one of them (it runs on the links)."""
+    def kernel(name, kind, function, line, op, seconds, runs=1.0):
+        stack = [("/src/seqax/shardlib/shardops.py", "einsum_unreduced", 277), ("/src/train.py", function, line),
+                 ("/src/train.py", "transformer_layer", 332)]
+        return Kernel(name, "fusion", kind, runs, 1e9, 0.0, 1e6, seconds, False, stack, f"jit(step)/{op}")
+
+    kernels = [kernel("fusion.1", "memory", "mlp_block", 265, "convert_element_type", 0.5e-3),
+               kernel("fusion.2", "memory", "mlp_block", 265, "convert_element_type", 1.0e-3),
+               kernel("fusion.3", "memory", "mlp_block", 265, "mul", 0.2e-3),
+               kernel("gemm.1", "matmul", "mlp_block", 261, "dot_general", 0.3e-3, runs=3.0),
+               kernel("all-gather.1", "collective", "mlp_block", 258, "all_gather", 5e-3)]
+    lines = compile_for.costliest_lines(kernels, step_seconds=0.01)
+    assert [(line["where"], line["op"]) for line in lines] == [
+        ("train.py:mlp_block:265", "convert_element_type"), ("train.py:mlp_block:261", "dot_general"),
+        ("train.py:mlp_block:265", "mul")]
+    assert lines[0]["kernels"] == 2 and lines[0]["runs"] == 2 and lines[0]["seconds"] == pytest.approx(1.5e-3)
+    assert lines[0]["share"] == pytest.approx(0.15) and lines[0]["gb"] == pytest.approx(2 * 1e6 / 1e9)
+    assert lines[1]["runs"] == 3 and lines[1]["seconds"] == pytest.approx(0.9e-3) and lines[1]["kind"] == "matmuls"
+    assert lines[1]["tflop"] == pytest.approx(3 * 1e9 / 1e12)
