@@ -191,7 +191,7 @@ def compile_for(config: str, target: Target, overrides: list[str], top: int) -> 
 def costliest_lines(kernels: list[roofline.Kernel], step_seconds: float) -> list[dict]:
     """The kernels that compute, summed by where they came from (train.py's line and the JAX operation, with their
     kind), costliest first: the layers' copies of one line (an unrolled loop's, a kernel a layer) and its forward
-    and backward kernels are one row, whose runs are theirs all together."""
+    and backward kernels are one row, whose runs are theirs all together (its name: its first kernel's)."""
     lines: dict[tuple, dict] = {}
     for k in kernels:
         if not k.computes:
