@@ -27,10 +27,10 @@ _CALLED = re.compile(r"\b(?:calls|body|to_apply|true_computation|false_computati
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 
 # Bytes per element, by HLO element type (and the names jax prints for the same types:
-# bool, i8, i16, i32, i64).
+# bool, i8, i16, i32, i64, f8_e4m3fn, f8_e5m2).
 ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                  "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16,
-                 "bool": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8}
+                 "bool": 1, "i8": 1, "i16": 2, "i32": 4, "i64": 8, "f8_e4m3fn": 1, "f8_e5m2": 1}
 
 
 @dataclass

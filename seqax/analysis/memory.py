@@ -197,18 +197,11 @@ def used_weight_bytes(jaxpr, is_weight: list[bool]) -> int:
 
 
 def residual_size(line: str) -> tuple[str, int]:
-    """('bf16[16,64,256]', bytes) of a print_saved_residuals line. JAX writes most types by their short names
-    (bf16, f32, u8), the float8 types as f8_ and NumPy's name after it (f8_e4m3fn: what a float8 einsum keeps on a
-    GPU or a TPU, where it is not kept as its bits); a type of no known size is an error, not an array of no bytes."""
+    """('bf16[16,64,256]', bytes) of a print_saved_residuals line, whose types are JAX's short names (bf16, u8, and
+    f8_e4m3fn: what a float8 einsum keeps on a GPU or a TPU, where it is not kept as its bits). A type of no known
+    size is an error (hlo.element_bytes), not an array of no bytes."""
     dtype, dims = _RESIDUAL.match(line).groups()
-    if dtype in hlo.ELEMENT_BYTES:
-        itemsize = hlo.ELEMENT_BYTES[dtype]
-    else:
-        try:
-            itemsize = jnp.dtype("float8_" + dtype.removeprefix("f8_") if dtype.startswith("f8_") else dtype).itemsize
-        except TypeError:
-            raise ValueError(f"unknown element type {dtype!r} in the saved value {line!r}") from None
-    return f"{dtype}[{dims}]", math.prod(int(d) for d in dims.split(",") if d) * itemsize
+    return f"{dtype}[{dims}]", math.prod(int(d) for d in dims.split(",") if d) * hlo.element_bytes(dtype)
 
 
 def layer_saved_values(residual_lines: list[str], input_name: str = "x") -> list[tuple[str, int, str]]:
